@@ -1,0 +1,30 @@
+"""tied: object graphs with shared parameters, on JAX.
+
+Sharing is object identity: two places share when they hold the same Python
+object. `tied` walks a model as a DAG, so a shared parameter is one parameter:
+one gradient (the total, the same object at every place), one optimiser state,
+one buffer under jit, one entry in a checkpoint.
+"""
+
+from ._grad import accumulate, grad, is_param, value_and_grad
+from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
+from ._view import View, materialize, transpose, view
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphDef",
+    "GraphError",
+    "View",
+    "accumulate",
+    "flatten",
+    "grad",
+    "is_param",
+    "materialize",
+    "register",
+    "ties",
+    "transpose",
+    "unflatten",
+    "value_and_grad",
+    "view",
+]

@@ -1,0 +1,102 @@
+"""Derived ties: a place that holds a function of another parameter."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+
+class View:
+    """A place that holds ``fn(source)`` instead of an array of its own.
+
+    Only ``source`` is a parameter: `tied.flatten` lists it once, the optimiser
+    keeps one state for it, and the gradient at a view's place is a `View` of
+    the source's own total gradient object.
+
+    Layers read a view with `tied.materialize` (or ``jnp.asarray(view)``); inside
+    `tied.grad`, `tied.jit` and `tied.Graph` views are materialised for you.
+
+    Example:
+        >>> enc_w = jnp.ones((3, 2))
+        >>> dec_w = tied.transpose(enc_w)
+        >>> dec_w.source is enc_w
+        True
+    """
+
+    __slots__ = ("source", "fn")
+
+    def __init__(self, source: Any, fn: Callable[[Any], Any]):
+        if not callable(fn):
+            raise TypeError(f"tied.view(source, fn): fn must be callable, got {fn!r}.")
+        self.source = source
+        self.fn = fn
+
+    def materialize(self) -> Any:
+        """Return ``fn(source)``."""
+        return self.fn(self.source)
+
+    def __jax_array__(self):
+        return jnp.asarray(self.fn(self.source))
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        out = np.asarray(self.fn(self.source))
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def shape(self):
+        return self.materialize().shape
+
+    @property
+    def dtype(self):
+        return self.materialize().dtype
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        shape = getattr(self.source, "shape", None)
+        return f"View({name}, source shape={shape})"
+
+
+def view(source: Any, fn: Callable[[Any], Any]) -> View:
+    """A derived tie: a place holding ``fn(source)``, where only ``source`` is a parameter.
+
+    Args:
+        source: the parameter array (the same object that stands elsewhere in the model).
+        fn: a JAX-traceable function of the source, e.g. ``jnp.transpose``.
+
+    Returns:
+        A `View`. Put it anywhere a layer expects an array.
+
+    Example:
+        >>> dec = Dense(tied.view(enc.weight, lambda w: w.T))
+    """
+    return View(source, fn)
+
+
+def _transpose(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+_transpose.__name__ = "transpose"
+
+
+def transpose(source: Any) -> View:
+    """``tied.view(source, transpose)``: the tie of a decoder or output head to an encoder weight.
+
+    Example:
+        >>> dec = Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
+    """
+    return View(source, _transpose)
+
+
+def materialize(x: Any) -> Any:
+    """Return ``x`` as an array: ``fn(source)`` for a `View`, ``x`` itself otherwise.
+
+    The one documented way for a layer to read a place that may hold a view when
+    it is called eagerly, outside `tied.grad`/`tied.jit`.
+    """
+    if type(x) is View:
+        return x.fn(x.source)
+    return x
