@@ -8,11 +8,13 @@ one buffer under jit, one entry in a checkpoint.
 
 from ._grad import accumulate, grad, is_param, value_and_grad
 from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
+from ._jit import Graph, jit
 from ._view import View, materialize, transpose, view
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Graph",
     "GraphDef",
     "GraphError",
     "View",
@@ -20,6 +22,7 @@ __all__ = [
     "flatten",
     "grad",
     "is_param",
+    "jit",
     "materialize",
     "register",
     "ties",
