@@ -87,6 +87,7 @@ def register(cls: type) -> type:
     with _cache_lock:
         _registered.add(cls)
         _type_cache.clear()
+        _flatten_plans.clear()
     return cls
 
 
@@ -240,7 +241,7 @@ class GraphDef:
         self.root = root
         self.num_leaves = num_leaves
         self._hash: int | None = None
-        self._plans: dict = {}
+        self._plans: dict = {}  # compiled rebuild plans and orders, see _plan.py
         self._places: Any = None
         self._expanded: Any = None
 
@@ -314,6 +315,45 @@ def flatten(tree: Any) -> tuple[list, GraphDef]:
         >>> len(leaves)            # w and b, once each
         2
     """
+    plans = _flatten_plans.get(type(tree))
+    if plans:
+        for gdef, plan in plans:
+            leaves = plan(tree)
+            if leaves is not None:
+                return leaves, gdef
+    leaves, gdef = _walk(tree)
+    _maybe_plan(tree, gdef)
+    return leaves, gdef
+
+
+# Compiled flatten plans (see _plan.py), per root type, most recent first. A
+# structure gets a plan the second time the walk meets it.
+_flatten_plans: dict[type, tuple] = {}
+_seen_once: dict[GraphDef, int] = {}
+_MAX_PLANS_PER_TYPE = 8
+
+
+def _maybe_plan(tree: Any, gdef: GraphDef) -> None:
+    from ._plan import compile_flatten
+
+    try:
+        if gdef not in _seen_once:
+            if len(_seen_once) > 1024:
+                _seen_once.clear()
+            _seen_once[gdef] = 1
+            return
+    except GraphError:  # unhashable static: no plan, the walk stays in charge
+        return
+    plan = compile_flatten(gdef)
+    if plan is None:
+        return
+    with _cache_lock:
+        _seen_once.pop(gdef, None)
+        old = _flatten_plans.get(type(tree), ())
+        _flatten_plans[type(tree)] = ((gdef, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
+
+
+def _walk(tree: Any) -> tuple[list, GraphDef]:
     leaves: list = []
     records: list = []
     statics: list = []
@@ -548,6 +588,20 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
         )
     if statics is None:
         statics = graphdef.statics
+    plans = graphdef._plans
+    build = plans.get(materialize)
+    if build is None:
+        count = plans.get("uses", 0) + 1
+        plans["uses"] = count
+        if count >= 2:
+            from ._plan import compile_unflatten
+
+            build = plans[materialize] = compile_unflatten(graphdef, materialize)
+    if build is not None:
+        try:
+            return build(leaves, statics)
+        except Exception:
+            pass  # a view function failed: the walk below names the path
     records = graphdef.records
     built: list = [None] * len(records)
     mutable, post = _rebuild_plan(graphdef)
