@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp

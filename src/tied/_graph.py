@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

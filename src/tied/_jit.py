@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 

@@ -14,11 +14,11 @@ GraphDef by the walk.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import _graph as g
 from ._view import View
-
 
 
 class _Miss(Exception):
