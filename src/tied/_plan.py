@@ -58,7 +58,8 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         if g._type_cache.get(type(s)) is not g._STATIC:
             return None  # an object whose arrays the walk must look for each time
     records = gdef.records
-    ns: dict[str, Any] = {"TC": g._type_cache, "ARR": g._ARRAY, "M": _Miss, "FOL": g._registry.flatten_one_level}
+    ns: dict[str, Any] = {"TC": g._type_cache, "ARR": g._ARRAY, "M": _Miss}
+    ns["FOL"] = g._registry.flatten_one_level
     lines = ["def plan(root):", " out = []", " A = out.append", " N = []", " B = N.append"]
     emit = lines.append
     counter = [0]
