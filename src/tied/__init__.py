@@ -6,6 +6,7 @@ one gradient (the total, the same object at every place), one optimiser state,
 one buffer under jit, one entry in a checkpoint.
 """
 
+from . import nn
 from ._grad import accumulate, grad, is_param, value_and_grad
 from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
 from ._jit import Graph, jit
@@ -24,6 +25,7 @@ __all__ = [
     "is_param",
     "jit",
     "materialize",
+    "nn",
     "register",
     "ties",
     "transpose",
