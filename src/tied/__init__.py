@@ -6,9 +6,10 @@ one gradient (the total, the same object at every place), one optimiser state,
 one buffer under jit, one entry in a checkpoint.
 """
 
-from . import nn
+from . import nn, optim
 from ._grad import accumulate, grad, is_param, value_and_grad
 from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
+from ._implicit import Grads, Params, gradient, params
 from ._jit import Graph, jit
 from ._view import View, materialize, transpose, view
 
@@ -18,14 +19,19 @@ __all__ = [
     "Graph",
     "GraphDef",
     "GraphError",
+    "Grads",
+    "Params",
     "View",
     "accumulate",
     "flatten",
     "grad",
+    "gradient",
     "is_param",
     "jit",
     "materialize",
     "nn",
+    "optim",
+    "params",
     "register",
     "ties",
     "transpose",
