@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from ._graph import GraphDef, _unflatten, flatten
+from ._graph import GraphDef, GraphError, _unflatten, flatten
 
 __all__ = ["Graph", "jit"]
 
@@ -210,7 +211,15 @@ def jit(
         static_key, dyn_args, dyn_kwargs = split(args, kwargs)
         leaves, gdef = flatten((dyn_args, dyn_kwargs))
         key = (gdef, static_key)
-        entry = cache.get(key)
+        try:
+            entry = cache.get(key)
+        except GraphError as e:  # an unhashable static field: say which argument holds it
+            raise GraphError(_argument_path(str(e))) from None
+        except TypeError:
+            raise TypeError(
+                "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
+                "pass a hashable value (a tuple instead of a list), or make it a traced argument."
+            ) from None
         if entry is None:
             with lock:
                 entry = cache.get(key)
@@ -229,6 +238,16 @@ def jit(
 
     wrapped._cache = cache  # for tests and introspection
     return wrapped
+
+
+def _argument_path(message: str) -> str:
+    """Write a path relative to ``(args, kwargs)`` as ``args[i]...`` or ``kwargs['k']...``."""
+    m = re.match(r"\[0\]\[(\d+)\]|\[1\]\[", message)
+    if m is None:
+        return message
+    if m.group(1) is not None:
+        return f"argument {m.group(1)}: " + message[m.end():]
+    return "keyword argument " + message[m.end() - 1:]
 
 
 def _reachable_leaves(gdef: GraphDef, refs: Sequence[int]) -> set[int]:
