@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -16,7 +17,22 @@ class View:
     the source's own total gradient object.
 
     Layers read a view with `tied.materialize` (or ``jnp.asarray(view)``); inside
-    `tied.grad`, `tied.jit` and `tied.Graph` views are materialised for you.
+    `tied.grad` views are materialised for you, and under `tied.jit` and
+    `tied.Graph` a view stays a view whose source is the traced array, so the
+    layer's `tied.materialize` call traces ``fn``.
+
+    Where the source lives: the walk always goes through a view to its source
+    (its path is the view's place plus ``.source``), so the source is part of
+    any model that holds the view. When the same array also stands at another
+    place (``tied.transpose(enc.weight)`` next to ``enc``) the two places are
+    one parameter. When it stands nowhere else, the view's own source is the
+    parameter: that is a reparametrisation (``tied.view(raw, jax.nn.softplus)``),
+    and it is also what a sub-model such as ``model.dec`` alone looks like.
+    Assigning a new array to ``enc.weight`` after making the view leaves the
+    view on the old array (two parameters); `tied.ties` shows which places are
+    tied. The source must be an array or another view: a view over ``None``
+    (``tied.transpose(enc.bias)`` of a layer without bias), a number or a whole
+    layer object is an error that names the view's path when it is materialised.
 
     Example:
         >>> enc_w = jnp.ones((3, 2))
@@ -34,25 +50,27 @@ class View:
         self.fn = fn
 
     def materialize(self) -> Any:
-        """Return ``fn(source)``."""
-        return self.fn(self.source)
+        """Return ``fn(source)`` (a source that is itself a view is materialised first)."""
+        return materialize(self)
 
     def __jax_array__(self):
-        return jnp.asarray(self.fn(self.source))
+        return jnp.asarray(materialize(self))
 
     def __array__(self, dtype=None, copy=None):
         import numpy as np
 
-        out = np.asarray(self.fn(self.source))
+        out = np.asarray(materialize(self))
         return out if dtype is None else out.astype(dtype)
 
     @property
-    def shape(self):
-        return self.materialize().shape
+    def shape(self) -> tuple[int, ...]:
+        """The shape of ``fn(source)``, found by tracing ``fn`` without computing it."""
+        return tuple(jax.eval_shape(self.materialize).shape)
 
     @property
-    def dtype(self):
-        return self.materialize().dtype
+    def dtype(self) -> Any:
+        """The dtype of ``fn(source)``, found without computing it."""
+        return jax.eval_shape(self.materialize).dtype
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", repr(self.fn))
@@ -99,5 +117,5 @@ def materialize(x: Any) -> Any:
     it is called eagerly, outside `tied.grad`/`tied.jit`.
     """
     if type(x) is View:
-        return x.fn(x.source)
+        return x.fn(materialize(x.source))
     return x
