@@ -7,15 +7,18 @@ one buffer under jit, one entry in a checkpoint.
 """
 
 from . import nn, optim
+from ._checkpoint import CheckpointError, load, load_metadata, save
 from ._grad import accumulate, grad, is_param, value_and_grad
 from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
+from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, jit
 from ._view import View, materialize, transpose, view
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "Graph",
     "GraphDef",
     "GraphError",
@@ -28,12 +31,20 @@ __all__ = [
     "gradient",
     "is_param",
     "jit",
+    "load",
+    "load_metadata",
     "materialize",
     "nn",
     "optim",
+    "param_count",
     "params",
+    "print_summary",
     "register",
+    "render_dot",
+    "save",
+    "summary",
     "ties",
+    "to_dot",
     "transpose",
     "unflatten",
     "value_and_grad",

@@ -1,0 +1,637 @@
+"""Checkpoints: save/load keep every tie, refuse mismatches and hostile files, resume training bit for bit.
+
+References are independent of tied's reader: values are compared byte for byte
+with the arrays that were saved, and the files are opened with the safetensors
+library's own (Rust) parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import safetensors
+import safetensors.numpy
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tied
+from tied import _checkpoint
+from tied.nn import Chain, Dense, Embedding
+
+# ---------------------------------------------------------------- models
+
+
+class NT(NamedTuple):
+    a: object
+    b: object
+
+
+@dataclasses.dataclass
+class DC:
+    x: object
+    y: object
+    name: str = "dc"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenDC:
+    x: object
+    scale: float = 2.0
+
+
+@tied.register
+class Box:
+    def __init__(self, content, tag="box"):
+        self.content = content
+        self.tag = tag
+
+
+class EqxPair(eqx.Module):
+    left: object
+    right: object
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def seed_model(key=0):
+    d1 = Dense(jax.random.normal(jax.random.key(key), (2, 2)), jnp.zeros(2))
+    return Chain(d1, Dense(d1.weight, d1.bias))
+
+
+def every_kind(seed: int):
+    """Every container kind, and every sharing kind: arrays, nodes, a view, a cycle."""
+    r = np.random.default_rng(seed)
+    w = jnp.asarray(r.normal(size=(3, 2)), jnp.float32)
+    e = jnp.asarray(r.normal(size=(4, 3)), jnp.bfloat16)
+    c = jnp.asarray(r.integers(0, 9, size=(2,)), jnp.int32)
+    shared = Box([w, jnp.asarray(r.normal(size=(2,)), jnp.float32)])  # a shared node
+    loop = {"w": w}
+    loop["self"] = loop  # a reference cycle through a dict
+    return {
+        "dense": Dense(w, None),
+        "nt": NT(w, (e, c)),
+        "dc": DC(shared, [e, tied.transpose(w)]),
+        "frozen": FrozenDC(np.asarray(r.normal(size=(2, 2)), np.float64)),
+        "eqx": EqxPair(shared, Embedding(e)),
+        "loop": loop,
+        "count": c,
+    }
+
+
+def check_every_kind(m, ref):
+    assert same_bits(m["dense"].weight, ref["dense"].weight)
+    w = m["dense"].weight
+    assert m["nt"].a is w and m["dc"].y[1].source is w and m["loop"]["w"] is w
+    assert m["dc"].y[1].fn is ref["dc"].y[1].fn  # the view's function comes from `like`
+    assert m["dc"].x is m["eqx"].left and m["dc"].x.content[0] is w
+    assert same_bits(m["dc"].x.content[1], ref["dc"].x.content[1])
+    assert m["nt"].b[0] is m["dc"].y[0] is m["eqx"].right.weight
+    assert same_bits(m["nt"].b[0], ref["nt"].b[0]) and m["nt"].b[0].dtype == jnp.bfloat16
+    assert m["nt"].b[1] is m["count"] and same_bits(m["count"], ref["count"])
+    assert isinstance(m["frozen"].x, np.ndarray) and same_bits(m["frozen"].x, ref["frozen"].x)
+    assert m["frozen"].scale == 2.0 and m["dc"].name == "dc" and m["dc"].x.tag == "box"
+    assert m["loop"]["self"] is m["loop"]
+    assert type(m["eqx"]) is EqxPair and type(m["nt"]) is NT and type(m["frozen"]) is FrozenDC
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_seed_model_round_trip(tmp_path):
+    m = seed_model()
+    f = tmp_path / "seed.safetensors"
+    tied.save(f, m)
+    back = tied.load(f, like=seed_model(key=1))
+    assert back.layers[0].weight is back.layers[1].weight
+    assert back.layers[0].bias is back.layers[1].bias
+    assert same_bits(back.layers[0].weight, m.layers[0].weight)
+    assert same_bits(back.layers[0].bias, m.layers[0].bias)
+    assert isinstance(back.layers[0].weight, jax.Array)
+    # The plain safetensors reader sees each unique array once, under its first path.
+    plain = safetensors.numpy.load_file(f)
+    assert sorted(plain) == [".layers[0].bias", ".layers[0].weight"]
+    assert same_bits(plain[".layers[0].weight"], m.layers[0].weight)
+    assert os.path.getsize(f) < 24 + 4096  # 24 bytes of data, once, plus the header
+
+
+def test_every_container_and_sharing_kind(tmp_path):
+    src = every_kind(0)
+    f = tmp_path / "m.safetensors"
+    tied.save(f, src)
+    back = tied.load(f, like=every_kind(1))
+    check_every_kind(back, src)
+    assert tied.ties(back) == tied.ties(src)
+    # Each unique array is stored once: w, e, c, the shared node's second array, frozen.x.
+    with safetensors.safe_open(f, framework="np") as sf:
+        names = list(sf.keys())
+        assert len(names) == 5
+        doc = json.loads(sf.metadata()["tied"])
+    assert {tuple(v["places"]) for v in doc["views"]} == {("['dc'].y[1]",)}
+    assert doc["views"][0] == {"places": ["['dc'].y[1]"], "fn": "transpose", "source": "['dc'].x.content[0]"}
+    assert sorted(map(sorted, doc["shared_nodes"])) == [
+        ["['dc'].x", "['eqx'].left"],
+        ["['loop']", "['loop']['self']"],
+    ]
+
+
+def test_views_store_only_the_source(tmp_path):
+    enc = Dense(jnp.arange(6.0).reshape(3, 2), jnp.ones(3))
+    model = Chain(enc, Dense(tied.transpose(enc.weight), None))
+    tied.save(tmp_path / "ae.safetensors", model)
+    plain = safetensors.numpy.load_file(tmp_path / "ae.safetensors")
+    assert sorted(plain) == [".layers[0].bias", ".layers[0].weight"]
+    back = tied.load(tmp_path / "ae.safetensors", like=model)
+    assert back.layers[1].weight.source is back.layers[0].weight
+    x = jnp.ones((1, 2))
+    np.testing.assert_array_equal(back(x), model(x))
+
+
+DTYPES = [
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint32,
+    np.bool_,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+
+
+# JAX holds every dtype but the 64-bit ones (unless jax_enable_x64): those are tested as numpy arrays.
+DTYPE_CASES = [(np.dtype(d), "numpy") for d in DTYPES] + [
+    (np.dtype(d), "jax") for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)
+]
+
+
+@pytest.mark.parametrize("dt, kind", DTYPE_CASES, ids=lambda c: str(c))
+def test_dtypes_round_trip_bit_for_bit(tmp_path, dt, kind):
+    r = np.random.default_rng(0)
+    raw = r.integers(0, 256, size=(3, 4 * dt.itemsize), dtype=np.uint8)
+    if dt.kind == "b":
+        x = raw[:, :4] % 2 == 1
+    else:  # arbitrary bit patterns: NaN payloads, -0.0, infinities included
+        x = raw.view(dt)
+    scalar, empty = x.reshape(-1)[:1].reshape(()), x[:0]
+    tree = [x, {"again": x, "scalar": scalar}, (empty,)]
+    if kind == "jax":
+        tree = jax.tree_util.tree_map(jnp.asarray, tree)
+        tree[1]["again"] = tree[0]
+    f = tmp_path / "d.safetensors"
+    tied.save(f, tree)
+    back = tied.load(f, like=tree)
+    assert back[1]["again"] is back[0]
+    for got, want in [(back[0], x), (back[1]["scalar"], scalar), (back[2][0], empty)]:
+        assert same_bits(got, want)
+        assert isinstance(got, np.ndarray if kind == "numpy" else jax.Array)
+    # The safetensors library's own parser (Rust, which checks the layout) reads the same bytes.
+    ref = dict(safetensors.deserialize(f.read_bytes()))
+    assert sorted(ref) == ["[0]", "[1]['scalar']", "[2][0]"]
+    assert ref["[0]"]["shape"] == list(x.shape) and bytes(ref["[0]"]["data"]) == x.tobytes()
+    assert ref["[0]"]["dtype"] == _checkpoint._TAGS[dt.name]
+    if not dt.name.startswith("float8"):  # safetensors' numpy frontend has no float8 types
+        with safetensors.safe_open(f, framework="np") as sf:
+            assert same_bits(sf.get_tensor("[0]"), x)
+
+
+def test_loaded_numpy_arrays_are_fresh_and_writable(tmp_path):
+    x = np.arange(4.0)
+    tied.save(tmp_path / "n.safetensors", {"x": x})
+    back = tied.load(tmp_path / "n.safetensors", like={"x": np.zeros(4)})
+    back["x"][0] = 7.0
+    assert x[0] == 0.0 and back["x"][1] == 1.0
+
+
+def test_unsupported_dtype_is_refused_before_writing(tmp_path):
+    f = tmp_path / "c.safetensors"
+    with pytest.raises(tied.CheckpointError, match=r"\['z'\]: an array of dtype complex128 cannot be stored"):
+        tied.save(f, {"a": np.ones(2), "z": np.ones(2, np.complex128)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_metadata_round_trip_and_errors(tmp_path):
+    f = tmp_path / "m.safetensors"
+    tied.save(f, seed_model(), metadata={"step": 5, "config": {"lr": 0.1, "name": "ü"}})
+    assert tied.load_metadata(f) == {"step": 5, "config": {"lr": 0.1, "name": "ü"}}
+    with pytest.raises(tied.CheckpointError, match=r"must be JSON-serialisable"):
+        tied.save(f, seed_model(), metadata={"w": object()})
+    with pytest.raises(tied.CheckpointError, match=r"mapping with string keys"):
+        tied.save(f, seed_model(), metadata={1: "a"})
+    assert tied.load_metadata(f)["step"] == 5  # the failed saves left the file alone
+
+
+# ---------------------------------------------------------------- random models
+
+
+@st.composite
+def random_models(draw):
+    """Random nesting of every container kind over a small pool of arrays, with random sharing."""
+    n = draw(st.integers(1, 4))
+    pool = [np.full((draw(st.integers(0, 3)), 2), float(i), np.float32) for i in range(n)]
+    pool.append(np.array([1, 2], np.int32))
+    nodes: list = []
+
+    def build(depth):
+        choice = draw(st.integers(0, 9 if depth < 3 else 1))
+        if choice == 0:
+            return draw(st.sampled_from(pool))
+        if choice == 1:
+            return draw(st.sampled_from(["s", 3, None]))
+        if choice == 2 and nodes:
+            return draw(st.sampled_from(nodes))  # a shared node
+        if choice == 3:
+            return tied.transpose(draw(st.sampled_from(pool[:n])))
+        a, b = build(depth + 1), build(depth + 1)
+        node = [
+            lambda: [a, b],
+            lambda: {"k": a, "j": b},
+            lambda: (a, b),
+            lambda: NT(a, b),
+            lambda: DC(a, b),
+            lambda: Box([a, b]),
+        ][choice - 4]()
+        nodes.append(node)
+        return node
+
+    return [build(0), build(0)]
+
+
+@given(random_models())
+def test_random_models_round_trip(tmp_path_factory, model):
+    leaves, gdef = tied.flatten(model)
+    like = tied.unflatten(gdef, [np.zeros_like(x) for x in leaves])
+    f = tmp_path_factory.mktemp("h") / "r.safetensors"
+    tied.save(f, model)
+    back = tied.load(f, like=like)
+    back_leaves, back_gdef = tied.flatten(back)
+    assert back_gdef == gdef  # same structure, statics and sharing
+    assert all(same_bits(a, b) for a, b in zip(back_leaves, leaves))
+    assert len(safetensors.numpy.load_file(f)) == len(leaves)
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_save_leaves_the_old_checkpoint_untouched(tmp_path, monkeypatch, exc):
+    f = tmp_path / "ckpt.safetensors"
+    tied.save(f, seed_model(0), metadata={"step": 1})
+    before = f.read_bytes()
+    calls = []
+
+    def failing_write(fh, data):
+        calls.append(len(data))
+        if len(calls) == 2:  # half of the second array reaches the disk, then the disk is full
+            fh.write(data[: len(data) // 2])
+            raise exc
+        fh.write(data)
+
+    monkeypatch.setattr(_checkpoint, "_write_array", failing_write)
+    with pytest.raises(type(exc)):
+        tied.save(f, seed_model(1), metadata={"step": 2})
+    assert len(calls) == 2
+    assert f.read_bytes() == before
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]  # no temporary file left behind
+    monkeypatch.undo()
+    back = tied.load(f, like=seed_model(1))
+    assert same_bits(back.layers[0].weight, seed_model(0).layers[0].weight)
+
+
+def test_save_replaces_with_the_usual_file_mode(tmp_path):
+    f = tmp_path / "ckpt.safetensors"
+    tied.save(f, seed_model(0))
+    tied.save(f, seed_model(1))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert f.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+    assert same_bits(tied.load(f, like=seed_model(0)).layers[1].bias, seed_model(1).layers[0].bias)
+
+
+# ---------------------------------------------------------------- mismatches with `like`
+
+
+@pytest.fixture
+def seed_file(tmp_path):
+    f = tmp_path / "seed.safetensors"
+    tied.save(f, seed_model())
+    return f
+
+
+def test_shape_differs(seed_file):
+    d = Dense(jnp.zeros((2, 3)), jnp.zeros(2))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"shape differs at \.layers\[0\]\.weight: the file has \(2, 2\) float32, "
+        r"like has \(2, 3\) float32",
+    ):
+        tied.load(seed_file, like=Chain(d, Dense(d.weight, d.bias)))
+
+
+def test_dtype_differs(seed_file):
+    d = Dense(jnp.zeros((2, 2), jnp.bfloat16), jnp.zeros(2))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"dtype differs at \.layers\[0\]\.weight: the file has \(2, 2\) float32, "
+        r"like has \(2, 2\) bfloat16",
+    ):
+        tied.load(seed_file, like=Chain(d, Dense(d.weight, d.bias)))
+
+
+def test_place_missing_in_the_file(seed_file):
+    m = seed_model()
+    m.layers.append(Dense(jnp.ones((2, 2)), None))
+    with pytest.raises(
+        tied.CheckpointError, match=r"places in like but not in the file: \.layers\[2\]\.weight\."
+    ):
+        tied.load(seed_file, like=m)
+
+
+def test_place_missing_in_like(seed_file):
+    d = Dense(jnp.zeros((2, 2)), None)
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"places in the file but not in like: \.layers\[0\]\.bias, \.layers\[1\]\.bias\.",
+    ):
+        tied.load(seed_file, like=Chain(d, Dense(d.weight, None)))
+
+
+def test_array_tied_in_the_file_but_not_in_like(seed_file):
+    d = Dense(jnp.zeros((2, 2)), jnp.zeros(2))
+    like = Chain(d, Dense(d.weight, jnp.zeros(2)))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"sharing differs at \.layers\[0\]\.bias: in like, \.layers\[0\]\.bias is not tied to "
+        r"another place; in the file, \.layers\[0\]\.bias and \.layers\[1\]\.bias are one array",
+    ):
+        tied.load(seed_file, like=like)
+
+
+def test_array_tied_in_like_but_not_in_the_file(tmp_path):
+    f = tmp_path / "untied.safetensors"
+    tied.save(f, Chain(Dense(jnp.ones((2, 2)), jnp.zeros(2)), Dense(jnp.ones((2, 2)), jnp.zeros(2))))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"sharing differs at \.layers\[0\]\.weight: in like, \.layers\[0\]\.weight and "
+        r"\.layers\[1\]\.weight are one array; in the file, \.layers\[0\]\.weight is not tied",
+    ):
+        tied.load(f, like=seed_model())
+
+
+def test_node_sharing_differs(seed_file):
+    d = Dense(jnp.zeros((2, 2)), jnp.zeros(2))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"sharing differs at \.layers\[0\]: in like, \.layers\[0\] and \.layers\[1\] are one node; "
+        r"in the file, \.layers\[0\] is not tied",
+    ):
+        tied.load(seed_file, like=Chain(d, d))
+
+
+def test_view_differs(tmp_path):
+    enc = Dense(jnp.ones((3, 2)), None)
+    f = tmp_path / "v.safetensors"
+    tied.save(f, Chain(enc, Dense(tied.transpose(enc.weight), None)))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"\.layers\[1\]\.weight is a view \(transpose of \.layers\[0\]\.weight\) in the file "
+        r"but not in like",
+    ):
+        tied.load(f, like=Chain(enc, Dense(jnp.ones((2, 3)), None)))
+    negate = tied.view(enc.weight, jnp.negative)
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"view at \.layers\[1\]\.weight differs: like has negative of \.layers\[0\]\.weight, "
+        r"the file has transpose of \.layers\[0\]\.weight",
+    ):
+        tied.load(f, like=Chain(enc, Dense(negate, None)))
+
+
+def test_a_plain_safetensors_file_is_refused_clearly(tmp_path):
+    f = tmp_path / "plain.safetensors"
+    safetensors.numpy.save_file({".layers[0].weight": np.ones((2, 2), np.float32)}, f)
+    with pytest.raises(tied.CheckpointError, match=r"without tied's metadata"):
+        tied.load(f, like=seed_model())
+
+
+# ---------------------------------------------------------------- corrupt and hostile files
+
+
+def read_parts(path):
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_parts(path, header, data, length=None):
+    head = json.dumps(header).encode()
+    path.write_bytes((len(head) if length is None else length).to_bytes(8, "little") + head + data)
+
+
+def with_doc(header, change):
+    doc = json.loads(header["__metadata__"]["tied"])
+    change(doc)
+    header["__metadata__"]["tied"] = json.dumps(doc)
+    return header
+
+
+def test_every_truncation_is_refused(seed_file):
+    raw = seed_file.read_bytes()
+    like = seed_model()
+    for n in range(len(raw)):
+        seed_file.write_bytes(raw[:n])
+        with pytest.raises(tied.CheckpointError, match=r"seed.safetensors: not a readable tied checkpoint"):
+            tied.load(seed_file, like=like)
+
+
+def test_flipped_data_bits_are_detected(seed_file):
+    raw = bytearray(seed_file.read_bytes())
+    raw[-3] ^= 0x10
+    seed_file.write_bytes(bytes(raw))
+    with pytest.raises(tied.CheckpointError, match=r"do not match their CRC-32"):
+        tied.load(seed_file, like=seed_model())
+
+
+HOSTILE = {
+    "huge header length": (lambda h: h, 2**63, r"the header claims 9223372036854775808 bytes"),
+    "header past the end": (lambda h: h, 10_000, r"the header claims 10000 bytes but the file has"),
+    "huge tensor": (
+        lambda h: h[".layers[0].weight"].update(shape=[10**9, 10**9], data_offsets=[0, 4 * 10**18]),
+        None,
+        r"its data ends at byte 4000000000000000000 of the data section, which has only 24 bytes",
+    ),
+    "offsets past the end": (
+        lambda h: h[".layers[0].weight"].update(data_offsets=[100, 116]),
+        None,
+        r"data ends at byte 116",
+    ),
+    "offsets against shape": (
+        lambda h: h[".layers[0].weight"].update(shape=[3, 3]),
+        None,
+        r"offsets \[\d+, \d+\] do not span the 36 bytes",
+    ),
+    "object dtype": (lambda h: h[".layers[0].weight"].update(dtype="O"), None, r"unknown dtype 'O'"),
+    "pickle dtype": (lambda h: h[".layers[0].weight"].update(dtype="pickle"), None, r"unknown dtype"),
+    "negative shape": (lambda h: h[".layers[0].bias"].update(shape=[-2]), None, r"invalid shape \[-2\]"),
+    "boolean shape": (lambda h: h[".layers[0].bias"].update(shape=[True, True]), None, r"invalid shape"),
+    "overlap": (
+        lambda h: h[".layers[0].bias"].update(data_offsets=[8, 16]),
+        None,
+        r"overlap or leave gaps",
+    ),
+    "non-JSON metadata": (
+        lambda h: h["__metadata__"].update(tied="{'arrays': pickle.loads}"),
+        None,
+        r"the metadata entry 'tied' is not JSON",
+    ),
+    "metadata not a string": (lambda h: h["__metadata__"].update(tied=[1]), None, r"is not a string"),
+    "metadata wrong types": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(places=".layers[0].weight")),
+        None,
+        r"places is not a non-empty list of paths",
+    ),
+    "unknown tensor name": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(name="os.system")),
+        None,
+        r"names tensor 'os.system', which the file does not hold",
+    ),
+    "dtype disagrees": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(dtype="bfloat16")),
+        None,
+        r"disagree with the header",
+    ),
+    "newer version": (lambda h: with_doc(h, lambda d: d.update(version=99)), None, r"version 99"),
+    "private attribute": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0]["places"].append(".layers[0].__class__")),
+        None,
+        r"places in the file but not in like: \.layers\[0\]\.__class__\. A path naming a private attribute",
+    ),
+    "private attribute _secret": (
+        lambda h: with_doc(h, lambda d: d["arrays"][1]["places"].append("._secret")),
+        None,
+        r"not in like: \._secret\. A path naming a private attribute",
+    ),
+    "view naming a module": (
+        lambda h: with_doc(
+            h, lambda d: d["views"].append({"places": [".layers[1]"], "fn": "evil_mod.run", "source": ""})
+        ),
+        None,
+        r"\.layers\[1\] is a view \(evil_mod.run of <root>\) in the file but not in like",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_files_are_refused(seed_file, case):
+    change, length, message = HOSTILE[case]
+    header, data = read_parts(seed_file)
+    change(header)
+    write_parts(seed_file, header, data, length)
+    like = seed_model()
+    with pytest.raises(tied.CheckpointError, match=message):
+        tied.load(seed_file, like=like)
+    assert "evil_mod" not in sys.modules
+    assert not hasattr(like.layers[0], "_secret")
+
+
+def test_headers_that_are_not_json_objects(seed_file):
+    _, data = read_parts(seed_file)
+    for head, message in [
+        (b"\xff\xfe{", r"the header is not JSON \(UnicodeDecodeError\)"),
+        (b"[1, 2]", r"not a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, r"the header is not JSON \(RecursionError\)"),
+        (b'{"a": NaN', r"the header is not JSON"),
+    ]:
+        seed_file.write_bytes(len(head).to_bytes(8, "little") + head + data)
+        with pytest.raises(tied.CheckpointError, match=message):
+            tied.load(seed_file, like=seed_model())
+
+
+# ---------------------------------------------------------------- optimiser states
+
+
+def test_optax_state_round_trip(tmp_path):
+    """A bare optax state (as in any JAX code base): moments and the int32 step count come back exactly."""
+    w = jnp.linspace(-1, 1, 6).reshape(3, 2)
+    params = {"w": w, "b": jnp.zeros(2)}
+    tx = optax.adam(1e-2)
+    state = tx.init(params)
+    for _ in range(3):
+        g = jax.tree_util.tree_map(lambda p: jnp.cos(p) + 1.0, params)
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    f = tmp_path / "opt.safetensors"
+    tied.save(f, state)
+    back = tied.load(f, like=tx.init(params))
+    assert back[0].count.dtype == jnp.int32 and int(back[0].count) == 3
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state)):
+        assert same_bits(a, b)
+
+
+def tied_lm(key):
+    """A tied-embedding language model: the output head is the embedding transposed."""
+    k1, k2 = jax.random.split(key)
+    emb = Embedding(11, 4, key=k1)
+    hidden = Dense(4, 4, key=k2, activation=jnp.tanh)
+    return Chain(emb, hidden, hidden, Dense(emb.weight, jnp.zeros(11)))
+
+
+def test_training_resumes_bit_for_bit(tmp_path):
+    tokens = jnp.array([1, 5, 2, 9, 3])
+    targets = jnp.array([5, 2, 9, 3, 1])
+
+    def loss(m):
+        logits = m(tokens)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=1))
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-2))
+
+    @tied.jit
+    def step(model, state):
+        return tied.optim.update(state, model, tied.grad(loss)(model))
+
+    def train(model, state, steps):
+        for _ in range(steps):
+            model, state = step(model, state)
+        return model, state
+
+    model = tied_lm(jax.random.key(0))
+    model, state = train(model, tied.optim.setup(tx, model), 5)
+    f = tmp_path / "run.safetensors"
+    tied.save(f, (model, state), metadata={"step": 5})
+    straight, straight_state = train(model, state, 5)
+
+    fresh = tied_lm(jax.random.key(1))
+    model2, state2 = tied.load(f, like=(fresh, tied.optim.setup(tx, fresh)))
+    assert tied.load_metadata(f) == {"step": 5}
+    assert model2.layers[0].weight is model2.layers[3].weight  # the tied head
+    assert model2.layers[1] is model2.layers[2]  # the shared block
+    assert state2.params[0] is model2.layers[0].weight  # the state still holds the model's buffers
+    assert state2.inner_state[1][0].count.dtype == jnp.int32 and int(state2.inner_state[1][0].count) == 5
+    resumed, resumed_state = train(model2, state2, 5)
+
+    a_leaves, a_def = tied.flatten((straight, straight_state))
+    b_leaves, b_def = tied.flatten((resumed, resumed_state))
+    assert a_def == b_def
+    assert all(same_bits(a, b) for a, b in zip(a_leaves, b_leaves))
+    assert float(loss(resumed)) < float(loss(tied_lm(jax.random.key(0))))
