@@ -88,7 +88,8 @@ def value_and_grad(
                     f"argnums={argnums!r} names argument {i}, but the function was called "
                     f"with {len(args)} positional arguments."
                 )
-        leaves, gdef = flatten(tuple(args[i] for i in nums))
+        # A single argument is flattened alone, so that error paths are the model's own.
+        leaves, gdef = flatten(args[nums[0]] if single else tuple(args[i] for i in nums))
         if per_location:
             structure, place_leaf = expand(gdef)
             inputs = [leaves[q] for q in place_leaf]
@@ -101,6 +102,8 @@ def value_and_grad(
             for i, p in zip(diff, params):
                 full[i] = p
             selected = _unflatten(structure, full, materialize=True)
+            if single:
+                selected = (selected,)
             new_args = list(args)
             for i, a in zip(nums, selected):
                 new_args[i] = a
@@ -108,10 +111,15 @@ def value_and_grad(
 
         value, dparams = jax.value_and_grad(f, has_aux=has_aux)([inputs[i] for i in diff])
         grads: list = [None] * len(inputs)
+        seen: set[int] = set()
         for i, g in zip(diff, dparams):
+            # Eager JAX may hand one cotangent object to two inputs (both operands of
+            # a + b); a copy keeps gradient identity equal to the model's sharing.
+            if id(g) in seen:
+                g = jnp.copy(g)
+            seen.add(id(g))
             grads[i] = g
-        tree = _gradient_tree(structure, grads)
-        return value, (tree[0] if single else tree)
+        return value, _gradient_tree(structure, grads)
 
     return wrapped
 

@@ -164,11 +164,28 @@ class _WalkError(Exception):
 
 
 def _has_arrays(obj: Any) -> bool:
-    try:
-        leaves = jax.tree_util.tree_leaves(vars(obj))
-    except TypeError:
-        return False
-    return any(isinstance(v, (jax.Array, np.ndarray, View)) for v in leaves)
+    """Whether arrays sit anywhere below an unwalkable object, looking through the nodes
+    and the ``__dict__`` of unregistered objects it holds (a registered layer inside an
+    unregistered wrapper too). Iterative and identity-memoised, so cycles end."""
+    seen: dict[int, Any] = {}  # id -> object, held so that ids stay unique
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen[id(x)] = x
+        k = _kind(x)
+        if k is _ARRAY or k == VIEW:
+            return True
+        if k is _STATIC:
+            continue
+        if k is _UNKNOWN or k == OBJ:
+            d = getattr(x, "__dict__", None)
+            if isinstance(d, dict):
+                stack.extend(d.values())
+        else:
+            stack.extend(_node_children(k, x)[0])
+    return False
 
 
 def _unknown_static(x: Any) -> None:
@@ -360,6 +377,9 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     statics: list = []
     memo: dict[int, int] = {}
     open_immutable: set[int] = set()
+    # Children made on the fly by a pytree's flatten are held here: once freed, their
+    # ids could be reused by later objects and read as sharing through `memo`.
+    alive: list = []
     kind_of = _kind
     get = memo.get
 
@@ -387,6 +407,8 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         memo[id(x)] = r
         records.append(None)
         children, meta = _node_children(k, x)
+        if k == PYTREE:
+            alive.append(children)
         if k >= TUPLE:
             open_immutable.add(r)
         refs = []
@@ -461,7 +483,7 @@ def _pytree_keys(meta: Any, n: int) -> list[str]:
     except Exception:
         pass
     try:
-        _pytree_key_cache[meta] = keys
+        _pytree_key_cache[(meta, n)] = keys
     except TypeError:
         pass
     return keys
@@ -620,7 +642,11 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
         built[j] = _shell(kind, meta)
     for j in post:
         kind, meta, refs = records[j]
-        built[j] = _make(kind, meta, [value(r) for r in refs], materialize)
+        try:
+            built[j] = _make(kind, meta, [value(r) for r in refs], materialize)
+        except GraphError as e:  # a failing view function: say where the view sits
+            where = place_paths(graphdef).nodes[j][0] or "<root>"
+            raise GraphError(f"{where}: {e}") from e.__cause__
     for j in mutable:
         kind, meta, refs = records[j]
         _fill(kind, meta, built[j], [value(r) for r in refs])
@@ -749,14 +775,24 @@ def expand(graphdef: GraphDef) -> tuple[GraphDef, tuple[int, ...]]:
     return graphdef._expanded
 
 
-def read_places(graphdef: GraphDef, other: Any, *, what: str = "gradient") -> list[list]:
+def read_places(
+    graphdef: GraphDef,
+    other: Any,
+    *,
+    what: str = "gradient",
+    hint: str = "as tied.grad returns it",
+    broadcast: Callable[[Any], bool] | None = None,
+) -> list[list]:
     """Read a tree shaped like the graph (a gradient, say) at every place.
 
     ``other`` mirrors the graph: same node kinds, with anything at leaf places
     (``None`` included), ``None`` standing for a whole subtree, and a `View` (or
     ``None``) at a view's place. It may share nodes or not. Returns, for each
     unique array of the graph, the objects found at its places in walk order.
-    Reference cycles are followed once.
+    Reference cycles are followed once. An object for which ``broadcast`` is
+    true stands, like ``None``, for a whole subtree: it is found at every array
+    place below (a sharding given for a whole layer, say). ``what`` and
+    ``hint`` name the tree in error messages.
     """
     records = graphdef.records
     found: list[list] = [[] for _ in range(graphdef.num_leaves)]
@@ -773,7 +809,7 @@ def read_places(graphdef: GraphDef, other: Any, *, what: str = "gradient") -> li
         return GraphError(
             f"{where or '<root>'}: the {what} does not mirror the model here: expected "
             f"{expected}, found {type(got).__name__}. Pass a {what} shaped like the model "
-            f"(as tied.grad returns it)."
+            f"({hint})."
         )
 
     def visit(r: int, obj: Any, where: Callable[[], str]) -> None:
@@ -786,9 +822,11 @@ def read_places(graphdef: GraphDef, other: Any, *, what: str = "gradient") -> li
         if q in open_nodes:  # a cycle: its places were read on the way in
             return
         kind, meta, refs = records[q]
-        if obj is None:
+        if obj is None or (broadcast is not None and broadcast(obj)):
+            open_nodes.add(q)  # a cycle below ends here too
             for c in refs:
-                visit(c, None, where)
+                visit(c, obj, where)
+            open_nodes.discard(q)
             return
         try:
             if kind in (LIST, TUPLE, NAMEDTUPLE):
