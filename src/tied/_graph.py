@@ -58,6 +58,7 @@ class GraphError(TypeError):
 
 
 _registered: set[type] = set()
+_array_types: set[type] = set()  # every array type met so far (compiled plans test against it)
 _type_cache: dict[type, Any] = {}
 _cache_lock = threading.Lock()
 
@@ -148,6 +149,8 @@ def _kind(x: Any) -> Any:
         k = _classify(x)
         if k is not _UNKNOWN:
             _type_cache[t] = k
+        if k is _ARRAY:
+            _array_types.add(t)
     return k
 
 
@@ -248,6 +251,7 @@ class GraphDef:
         "root",
         "num_leaves",
         "_hash",
+        "_k",
         "_plans",
         "_places",
         "_expanded",
@@ -259,6 +263,7 @@ class GraphDef:
         self.root = root
         self.num_leaves = num_leaves
         self._hash: int | None = None
+        self._k: Any = None
         self._plans: dict = {}  # compiled rebuild plans and orders, see _plan.py
         self._places: Any = None
         self._expanded: Any = None
@@ -268,7 +273,15 @@ class GraphDef:
         return len(self.records)
 
     def _key(self):
-        return (self.root, self.num_leaves, self.records, tuple((type(s), s) for s in self.statics))
+        k = self._k
+        if k is None:
+            k = self._k = (
+                self.root,
+                self.num_leaves,
+                self.records,
+                tuple((type(s), s) for s in self.statics),
+            )
+        return k
 
     def __hash__(self) -> int:
         h = self._hash
@@ -340,35 +353,37 @@ def flatten(tree: Any) -> tuple[list, GraphDef]:
             if leaves is not None:
                 return leaves, gdef
     leaves, gdef = _walk(tree)
-    _maybe_plan(tree, gdef)
-    return leaves, gdef
+    return leaves, _maybe_plan(tree, gdef)
 
 
 # Compiled flatten plans (see _plan.py), per root type, most recent first. A
 # structure gets a plan the second time the walk meets it.
 _flatten_plans: dict[type, tuple] = {}
-_seen_once: dict[GraphDef, int] = {}
+_seen_once: dict[GraphDef, GraphDef] = {}
 _MAX_PLANS_PER_TYPE = 8
 
 
-def _maybe_plan(tree: Any, gdef: GraphDef) -> None:
+def _maybe_plan(tree: Any, gdef: GraphDef) -> GraphDef:
+    """Count a sighting of ``gdef``; on the second, compile its plan. Returns the
+    first-seen equal GraphDef, so that caches keyed on it compare by identity."""
     from ._plan import compile_flatten
 
     try:
-        if gdef not in _seen_once:
-            if len(_seen_once) > 1024:
-                _seen_once.clear()
-            _seen_once[gdef] = 1
-            return
+        first = _seen_once.get(gdef)
     except GraphError:  # unhashable static: no plan, the walk stays in charge
-        return
-    plan = compile_flatten(gdef)
-    if plan is None:
-        return
-    with _cache_lock:
-        _seen_once.pop(gdef, None)
-        old = _flatten_plans.get(type(tree), ())
-        _flatten_plans[type(tree)] = ((gdef, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
+        return gdef
+    if first is None:
+        if len(_seen_once) > 1024:
+            _seen_once.clear()
+        _seen_once[gdef] = gdef
+        return gdef
+    plan = compile_flatten(first)
+    if plan is not None:
+        with _cache_lock:
+            _seen_once.pop(first, None)
+            old = _flatten_plans.get(type(tree), ())
+            _flatten_plans[type(tree)] = ((first, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
+    return first
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:

@@ -58,7 +58,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         if g._type_cache.get(type(s)) is not g._STATIC:
             return None  # an object whose arrays the walk must look for each time
     records = gdef.records
-    ns: dict[str, Any] = {"TC": g._type_cache, "ARR": g._ARRAY, "M": _Miss}
+    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss}
     ns["FOL"] = g._registry.flatten_one_level
     lines = ["def plan(root):", " out = []", " A = out.append", " N = []", " B = N.append"]
     emit = lines.append
@@ -91,7 +91,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 seen_leaf.add(q)
                 target = f"l{q}" if q in shared_leaf else "x"
                 emit(f" {target} = {expr}")
-                emit(f" if TC.get(type({target})) is not ARR: raise M")
+                emit(f" if type({target}) not in AT: raise M")
                 emit(f" A({target})")
         elif q in seen_node:  # a later place of a node: the same object
             emit(f" if {expr} is not n{q}: raise M")
