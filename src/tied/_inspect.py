@@ -302,6 +302,7 @@ def print_summary(tree: Any, file: TextIO | None = None) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
         print(summary(tree), file=file if file is not None else sys.stdout)
         return
@@ -310,11 +311,12 @@ def print_summary(tree: Any, file: TextIO | None = None) -> None:
     table.columns[4].justify = "right"
     for r in rows:
         style = "yellow" if r.note.startswith("tied") else "cyan" if r.type == "View" else None
-        table.add_row(r.path, r.type, r.shape, r.dtype, f"{r.params:,}", r.note, style=style)
+        cells = (r.path, r.type, r.shape, r.dtype, f"{r.params:,}", r.note)
+        table.add_row(*(Text(c) for c in cells), style=style)  # Text: paths are not rich markup
     console = Console(file=file)
     console.print(table)
     for line in _totals_lines(totals):
-        console.print(line)
+        console.print(Text(line))
 
 
 # ---------------------------------------------------------------- Graphviz
