@@ -385,3 +385,8 @@ def test_gradient_of_a_model_with_a_cycle():
     np.testing.assert_allclose(g.w, 2 * w)
     with pytest.raises(tied.GraphError, match=r"^<root>: this node is on a reference cycle"):
         tied.grad(lambda m: jnp.sum(m.w), per_location=True)(model)
+    # accumulate follows the cycle once, also where None stands for the whole gradient.
+    acc = tied.accumulate(model, g)
+    assert acc.w is g.w and acc.me[0] is acc
+    none = tied.accumulate(model, None)
+    assert none.w is None and none.me[0] is none

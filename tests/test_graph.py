@@ -25,6 +25,7 @@ from helpers import (
     is_node,
     models,
     places,
+    rebuild,
     sharing_groups,
     untied_copy,
 )
@@ -57,11 +58,14 @@ def distinct_arrays(tree: Any) -> list:
 
 @given(models())
 def test_leaves_are_the_distinct_arrays_in_first_seen_order(model):
-    for _ in range(2):  # the second flatten of a structure may run a compiled plan
+    expected = distinct_arrays(model)
+    first = None
+    for _ in range(3):  # a structure met twice gets a compiled plan, used from the third time
         leaves, gdef = tied.flatten(model)
-        expected = distinct_arrays(model)
         assert len(leaves) == len(expected) == gdef.num_leaves
         assert all(a is b for a, b in zip(leaves, expected))
+        assert first is None or gdef == first
+        first = gdef
 
 
 @given(models())
@@ -102,8 +106,9 @@ def test_ties_match_the_sharing_found_independently(model):
 @given(models())
 def test_graphdef_equality_follows_structure_and_sharing(model):
     leaves, gdef = tied.flatten(model)
-    _, again = tied.flatten(model)
-    assert again == gdef and hash(again) == hash(gdef)
+    for _ in range(2):  # the last one may run a compiled plan: it must guard the sharing
+        _, again = tied.flatten(model)
+        assert again == gdef and hash(again) == hash(gdef)
     # Same structure and sharing, new arrays: an equal GraphDef.
     copy = tied.unflatten(gdef, [jnp.array(x) for x in leaves])
     _, gcopy = tied.flatten(copy)
@@ -230,9 +235,12 @@ def test_unflatten_with_the_wrong_number_of_leaves_is_an_error():
 
 
 def _round_trip(model):
+    """Flatten and unflatten three times (the walk, then compiled plans), doubling the arrays."""
     leaves, gdef = tied.flatten(model)
-    tied.flatten(model)  # again, so later calls may take a compiled plan
-    tied.unflatten(gdef, leaves)
+    for _ in range(2):
+        again, gagain = tied.flatten(model)
+        assert gagain == gdef and all(a is b for a, b in zip(again, leaves))
+        tied.unflatten(gdef, leaves)
     return leaves, tied.unflatten(gdef, [x * 2 for x in leaves])
 
 
@@ -421,3 +429,28 @@ def test_tie_paths_for_attributes_are_keystr_of_attribute_keys():
     )
     assert tied.ties(model) == [expected]
     assert expected == (".layers[0].weight", ".layers[1].inner['k'][0]")
+
+
+@given(models())
+def test_compiled_plans_never_return_a_stale_structure(model):
+    for _ in range(3):
+        tied.flatten(model)  # now a compiled plan exists for this structure
+    leaves, gdef = tied.flatten(model)
+    one = jnp.ones(())
+    variants = [
+        tied.unflatten(gdef, [jnp.array(x) for x in leaves]),  # same structure and sharing
+        untied_copy(model),  # no sharing at all
+        rebuild(model, lambda p, x: one if tied.is_param(x) else x),  # one array everywhere
+        rebuild(model, lambda p, x: x if is_array(x) else "changed"),  # other statics
+    ]
+    for v in variants:
+        vleaves, vgdef = tied.flatten(v)
+        expected = distinct_arrays(v)
+        assert len(vleaves) == len(expected) and all(a is b for a, b in zip(vleaves, expected))
+        assert tied.ties(v) == reference_ties(v)
+        back = tied.unflatten(vgdef, vleaves)
+        for pred in (is_array, is_node):
+            assert sharing_groups(back, pred) == sharing_groups(v, pred)
+        assert [x for _, x in places(back) if children(x) is None and not is_array(x)] == [
+            x for _, x in places(v) if children(x) is None and not is_array(x)
+        ]
