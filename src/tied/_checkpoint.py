@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from ._graph import VIEW, GraphDef, flatten, place_paths, unflatten
+from ._inspect import _fn_name
 
 __all__ = ["CheckpointError", "save", "load", "load_metadata"]
 
@@ -83,17 +84,6 @@ def _keystr(path: str) -> str:
 
 
 # ---------------------------------------------------------------- what the file records
-
-
-def _fn_name(fn: Any) -> str:
-    """A stable name for a view function (never a repr holding a memory address)."""
-    name = getattr(fn, "__name__", None)
-    if isinstance(name, str):
-        return name
-    inner = getattr(fn, "func", None)  # functools.partial
-    if inner is not None:
-        return f"partial({_fn_name(inner)})"
-    return type(fn).__name__
 
 
 def _describe(gdef: GraphDef) -> tuple[list[list[str]], list[list[str]], list[dict]]:

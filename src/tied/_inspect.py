@@ -50,6 +50,7 @@ def _nbytes(x: Any) -> int:
 
 
 def _fn_name(fn: Any) -> str:
+    """A stable name for a view function (never a repr holding a memory address)."""
     name = getattr(fn, "__name__", None)
     if isinstance(name, str):
         return name
