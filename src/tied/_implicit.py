@@ -366,6 +366,11 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
     containers; the original arrays are put back afterwards, always, also when
     ``fun`` raises. A lock keeps two threads from writing into one model at once.
 
+    ``fun`` must reach the parameters through the model (``params.model``): an
+    array it captured directly, say ``w = model.layers[0].weight`` taken
+    beforehand, is a constant to it. Works eagerly, inside `tied.jit`, and under
+    ``jax.jit`` on a `tied.Graph` argument (``m = graph.value`` inside).
+
     Args:
         fun: returns a scalar loss; takes no arguments.
         params: `tied.params(model)`.

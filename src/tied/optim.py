@@ -244,7 +244,10 @@ def update(
         container nodes), static fields are unchanged, and ``model`` itself is
         untouched. A parameter whose gradient is ``None`` at every place, or
         that is frozen, is the same object as before, and its per-parameter
-        optax state is kept.
+        optax state is kept (global counters still advance).
+
+    Works eagerly, inside `tied.jit` (return ``(model, state)`` from the
+    compiled function), and under ``jax.jit`` on `tied.Graph` arguments.
 
     Example:
         >>> state = tied.optim.setup(optax.adam(1e-3), c)       # c = Chain(d, d)
