@@ -600,3 +600,37 @@ def test_update_inplace_refuses_frozen_dataclass():
         tied.optim.update_inplace(state, model, [Frozen(jnp.ones(2))])
     new, _ = tied.optim.update(state, model, [Frozen(jnp.ones(2))])
     np.testing.assert_allclose(new[0].w, jnp.zeros(2))
+
+
+class EqxPair(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(lambda v: self.b(jnp.tanh(self.a(v))))(x)
+
+
+def test_equinox_model_with_a_tied_weight_keeps_it_through_adam():
+    ka, kb = jax.random.split(jax.random.key(3))
+    a = eqx.nn.Linear(4, 4, key=ka)
+    b = eqx.tree_at(lambda lin: lin.weight, eqx.nn.Linear(4, 4, key=kb), a.weight)
+    m = EqxPair(a, b)
+    assert m.a.weight is m.b.weight
+    tx = optax.adam(0.05)
+    loss = lambda mm: jnp.mean((mm(X) - 1.0) ** 2)
+
+    def places_loss(wa, ba, wb, bb):
+        h = jnp.tanh(X @ wa.T + ba)
+        return jnp.mean((h @ wb.T + bb - 1.0) ** 2)
+
+    p = {"w": a.weight, "ba": a.bias, "bb": b.bias}
+    rs = tx.init(p)
+    state = tied.optim.setup(tx, m)
+    assert len(state.params) == 3
+    for _ in range(3):
+        gwa, gba, gwb, gbb = jax.grad(places_loss, argnums=(0, 1, 2, 3))(p["w"], p["ba"], p["w"], p["bb"])
+        u, rs = tx.update({"w": gwa + gwb, "ba": gba, "bb": gbb}, rs, p)
+        p = optax.apply_updates(p, u)
+        m, state = tied.optim.update(state, m, tied.grad(loss)(m))
+        assert m.a.weight is m.b.weight
+        assert_close({"w": m.a.weight, "ba": m.a.bias, "bb": m.b.bias}, p)
