@@ -331,7 +331,7 @@ def write_markdown(results: dict, path: Path) -> None:
     lines.append("")
     lines.append("## Memory: (gradients + optimiser state) / unique parameter bytes")
     lines.append("")
-    lines.append("| workload | rule | parameter bytes over all places / unique | tied | naive pytree | ideal |")
+    lines.append("| workload | rule | parameter bytes, all places / unique | tied | naive pytree | ideal |")
     lines.append("|---|---|---|---|---|---|")
     for wname, r in results["memory"].items():
         rule = next(w.rule for w in W.WORKLOADS if w.name == wname)
