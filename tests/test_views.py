@@ -1,0 +1,212 @@
+"""Derived ties: tied.view / tied.transpose as places of the model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import tied
+from tied.nn import Dense
+
+KEY = jax.random.key(0)
+X = jax.random.normal(jax.random.key(1), (5, 4))
+
+
+@tied.register
+class AutoEncoder:
+    def __init__(self, enc, dec):
+        self.enc, self.dec = enc, dec
+
+    def __call__(self, x):
+        return self.dec(jnp.tanh(self.enc(x)))
+
+
+def make_ae():
+    enc = Dense(4, 3, key=KEY)
+    return AutoEncoder(enc, Dense(tied.transpose(enc.weight), jnp.zeros(4)))
+
+
+def loss(m):
+    return ((m(X) - X) ** 2).mean()
+
+
+def untied_loss(w_enc, b_enc, w_dec, b_dec):
+    """The same loss with the decoder weight a separate argument (shape (4, 3))."""
+    return ((jnp.tanh(X @ w_enc.T + b_enc) @ w_dec.T + b_dec - X) ** 2).mean()
+
+
+def reference_total(m):
+    w, b = m.enc.weight, m.enc.bias
+    gw_enc, gb, gw_dec, gbd = jax.grad(untied_loss, argnums=(0, 1, 2, 3))(w, b, w.T, m.dec.bias)
+    return gw_enc + gw_dec.T, gb, gbd  # the view's partial flows back through the transpose
+
+
+def test_one_parameter_and_the_tie_is_listed():
+    m = make_ae()
+    leaves, _ = tied.flatten(m)
+    assert len(leaves) == 3  # enc.weight, enc.bias, dec.bias: the view adds no parameter
+    assert leaves[0] is m.enc.weight
+    assert tied.ties(m) == [(".enc.weight", ".dec.weight.source")]
+    assert m.dec.weight.shape == (4, 3) and m.dec.weight.dtype == jnp.float32
+    np.testing.assert_allclose(tied.materialize(m.dec.weight), m.enc.weight.T)
+
+
+def test_gradient_flows_to_the_source_and_the_view_gradient_aliases_it():
+    m = make_ae()
+    g = tied.grad(loss)(m)
+    assert isinstance(g.dec.weight, tied.View)
+    assert g.dec.weight.source is g.enc.weight
+    assert g.dec.weight.fn is m.dec.weight.fn
+    total_w, total_b, total_bd = reference_total(m)
+    np.testing.assert_allclose(g.enc.weight, total_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g.enc.bias, total_b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g.dec.bias, total_bd, rtol=1e-5, atol=1e-7)
+
+
+def test_per_location_view_gradient_and_accumulate():
+    m = make_ae()
+    p = tied.grad(loss, per_location=True)(m)
+    assert isinstance(p.dec.weight, tied.View)
+    assert p.dec.weight.source is not p.enc.weight
+    w, b = m.enc.weight, m.enc.bias
+    gw_enc, _, gw_dec, _ = jax.grad(untied_loss, argnums=(0, 1, 2, 3))(w, b, w.T, m.dec.bias)
+    np.testing.assert_allclose(p.enc.weight, gw_enc, rtol=1e-5, atol=1e-7)
+    # the view's partial, taken with respect to the source (shape of enc.weight)
+    np.testing.assert_allclose(p.dec.weight.source, gw_dec.T, rtol=1e-5, atol=1e-7)
+    a = tied.accumulate(m, p)
+    assert a.dec.weight.source is a.enc.weight
+    np.testing.assert_allclose(a.enc.weight, reference_total(m)[0], rtol=1e-5, atol=1e-7)
+
+
+def test_after_unflatten_the_view_follows_the_new_source():
+    m = make_ae()
+    leaves, gdef = tied.flatten(m)
+    new = tied.unflatten(gdef, [2.0 * x for x in leaves])
+    assert isinstance(new.dec.weight, tied.View)
+    assert new.dec.weight.source is new.enc.weight
+    np.testing.assert_allclose(tied.materialize(new.dec.weight), 2.0 * m.enc.weight.T)
+
+
+def _adam_reference(m, steps, lr=1e-2):
+    """Adam stepped by hand (through optax) on the unique parameters with the total gradient."""
+    tx = optax.adam(lr)
+    params = [m.enc.weight, m.enc.bias, m.dec.bias]
+    state = tx.init(params)
+    for _ in range(steps):
+        cur = AutoEncoder(
+            Dense(params[0], params[1]), Dense(tied.transpose(params[0]), params[2])
+        )
+        grads = list(reference_total(cur))
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def test_optimiser_steps_the_source_once_and_the_view_follows():
+    m = make_ae()
+    tx = optax.adam(1e-2)
+    state = tied.optim.setup(tx, m)
+    n_unique = len(tied.flatten(m)[0])
+    adam = state.inner_state[0]
+    assert len(adam.mu) == len(adam.nu) == n_unique == 3  # one entry per unique parameter
+    cur = m
+    for _ in range(3):
+        g = tied.grad(loss)(cur)
+        cur, state = tied.optim.update(state, cur, g)
+        assert cur.dec.weight.source is cur.enc.weight  # the tie holds after each step
+    ref = _adam_reference(m, 3)
+    np.testing.assert_allclose(cur.enc.weight, ref[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(cur.enc.bias, ref[1], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(cur.dec.bias, ref[2], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(tied.materialize(cur.dec.weight), ref[0].T, rtol=1e-5, atol=1e-7)
+    # the input model is untouched
+    assert m.dec.weight.source is m.enc.weight and m is not cur
+
+
+def test_jitted_step_with_a_view_matches_eager():
+    m = make_ae()
+    tx = optax.adam(1e-2)
+    state = tied.optim.setup(tx, m)
+
+    @tied.jit
+    def step(model, state):
+        g = tied.grad(loss)(model)
+        return tied.optim.update(state, model, g)
+
+    cur = m
+    for _ in range(3):
+        cur, state = step(cur, state)
+        assert isinstance(cur.dec.weight, tied.View) and cur.dec.weight.source is cur.enc.weight
+    ref = _adam_reference(m, 3)
+    np.testing.assert_allclose(cur.enc.weight, ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_graph_through_jax_jit_keeps_the_view():
+    m = make_ae()
+    graph = tied.Graph(m)
+    assert len(jax.tree_util.tree_leaves(graph)) == 3
+    out = jax.jit(lambda gr: gr)(graph).value
+    assert out.dec.weight.source is out.enc.weight
+    y = jax.jit(lambda gr: gr.value(X))(graph)
+    np.testing.assert_allclose(y, m(X), rtol=1e-5, atol=1e-6)
+
+
+def test_a_source_found_nowhere_else_is_the_parameter():
+    """Decision: legal. The walk reaches the source through the view, so it is a parameter
+    of the model whose only place is `<view>.source` (a reparametrisation)."""
+    raw = jnp.array([-1.0, 0.0, 2.0])
+    model = {"scale": tied.view(raw, jax.nn.softplus)}
+    leaves, _ = tied.flatten(model)
+    assert len(leaves) == 1 and leaves[0] is raw
+    assert tied.ties(model) == []
+    x = jnp.array([1.0, 2.0, 3.0])
+    g = tied.grad(lambda m: (tied.materialize(m["scale"]) * x).sum())(model)
+    assert isinstance(g["scale"], tied.View)
+    np.testing.assert_allclose(g["scale"].source, jax.nn.sigmoid(raw) * x, rtol=1e-6)
+    # a sub-model alone: the decoder of an autoencoder, whose source lives in the encoder
+    ae = make_ae()
+    assert tied.flatten(ae.dec)[0][0] is ae.enc.weight
+
+
+def test_replacing_the_source_by_assignment_unties_and_ties_shows_it():
+    m = make_ae()
+    m.enc.weight = m.enc.weight + 0.0  # a new array: the view still reads the old one
+    assert tied.ties(m) == []
+    assert len(tied.flatten(m)[0]) == 4
+
+
+def test_view_of_a_view():
+    w = jax.random.normal(KEY, (3, 2))
+    twice = tied.transpose(tied.transpose(w))
+    np.testing.assert_allclose(tied.materialize(twice), w)
+    assert twice.shape == (3, 2)
+    model = {"a": w, "b": twice}
+    g = tied.grad(lambda m: (m["a"] * tied.materialize(m["b"])).sum())(model)
+    assert g["b"].source.source is g["a"]
+    np.testing.assert_allclose(g["a"], 2 * w, rtol=1e-6)
+
+
+
+def test_a_view_function_failing_on_the_source_shape_names_the_path():
+    w = jnp.ones((3, 4))
+    model = {"enc": Dense(w), "dec": [tied.view(w, lambda s: s.reshape(5, 7))]}
+    with pytest.raises(tied.GraphError, match=r"\['dec'\]\[0\]: .*shape \(3, 4\)"):
+        tied.grad(lambda m: m["enc"](jnp.ones(4)).sum())(model)
+    # eagerly, a layer given such a view fails at once with JAX's own message
+    with pytest.raises(TypeError, match=r"cannot reshape array of shape \(3, 4\)"):
+        Dense(tied.view(w, lambda s: s.reshape(5, 7)))
+
+
+def test_a_view_over_none_names_the_path():
+    model = {"dec": tied.transpose(None), "w": jnp.ones(2)}
+    with pytest.raises(tied.GraphError, match=r"\['dec'\]: .*transpose"):
+        tied.grad(lambda m: m["w"].sum())(model)
+
+
+def test_view_constructor_and_materialize_of_plain_values():
+    with pytest.raises(TypeError, match=r"fn must be callable"):
+        tied.view(jnp.ones(2), "transpose")
+    x = jnp.ones(2)
+    assert tied.materialize(x) is x
+    assert "transpose" in repr(tied.transpose(jnp.ones((2, 3))))
