@@ -13,12 +13,14 @@ from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, jit
+from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
 from ._view import View, materialize, transpose, view
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DataParallel",
     "Graph",
     "GraphDef",
     "GraphError",
@@ -26,6 +28,8 @@ __all__ = [
     "Params",
     "View",
     "accumulate",
+    "data_parallel",
+    "device_put",
     "flatten",
     "grad",
     "gradient",
@@ -42,6 +46,7 @@ __all__ = [
     "register",
     "render_dot",
     "save",
+    "sharding_tree",
     "summary",
     "ties",
     "to_dot",

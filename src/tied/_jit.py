@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
-from ._graph import GraphDef, GraphError, _unflatten, flatten
+from ._graph import GraphDef, GraphError, _unflatten, flatten, place_paths
+from ._sharding import _describe, _same_layout, leaf_shardings
 
 __all__ = ["Graph", "jit"]
 
@@ -73,7 +75,7 @@ def _normalise(nums: int | Sequence[int]) -> tuple[int, ...]:
 class _Compiled:
     """What one input structure compiles to: the jitted function and how to read its output."""
 
-    __slots__ = ("fn", "donated", "kept", "out", "lock")
+    __slots__ = ("fn", "donated", "kept", "out", "lock", "in_specs")
 
     def __init__(self):
         self.out: dict = {}  # input avals -> output GraphDef (usually one entry)
@@ -87,6 +89,8 @@ def jit(
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
     donate_argnames: str | Sequence[str] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
     **jax_jit_kwargs: Any,
 ) -> Callable:
     """Like `jax.jit`, with all arguments one DAG and all outputs one DAG.
@@ -106,6 +110,25 @@ def jit(
             instead of traced, as in `jax.jit`.
         donate_argnums, donate_argnames: arguments whose buffers may be reused
             for outputs, as in `jax.jit`.
+        in_shardings: how the inputs are laid out over devices, as in `jax.jit`:
+            one `jax.sharding.Sharding` for every argument, or a tuple with one
+            entry per positional argument (static ones left out, as in
+            `jax.jit`; keyword arguments get no preference), each a sharding,
+            ``None`` (JAX chooses: an input already placed stays as it is) or a
+            tree of them shaped like the argument, where a sharding at a node's
+            place applies to the whole subtree (`tied.sharding_tree` builds
+            one). An array shared by several places, in one argument or
+            across arguments, is one input with one sharding; two different
+            shardings for it raise an error naming both paths. A committed
+            input placed differently raises an error naming its path (place
+            it first with `tied.device_put`).
+        out_shardings: how the outputs are laid out: one sharding for every
+            output array, or a tree shaped like the output (a sharding at a
+            node applies to its subtree, ``None``: XLA chooses). As `jax.jit`
+            documents for its own, this is `jax.lax.with_sharding_constraint`
+            on the output, applied here to each unique output array inside the
+            compiled function (the output's structure is only known once
+            traced); a shared output array given two shardings is an error.
         **jax_jit_kwargs: passed to `jax.jit` (e.g. ``inline``, ``keep_unused``).
 
     Returns:
@@ -178,10 +201,18 @@ def jit(
         kept = [q for q in range(gdef.num_leaves) if q not in set(donated)]
         return tuple(donated), tuple(kept)
 
-    def compile_for(key, gdef: GraphDef, n_args: int, kw_names: tuple) -> _Compiled:
+    def compile_for(key, gdef: GraphDef, leaves: list, n_args: int, kw_names: tuple) -> _Compiled:
         entry = _Compiled()
         entry.donated, entry.kept = donation(gdef, n_args, kw_names)
         (statics, kw_static) = key[1]
+        entry.in_specs = None
+        shardings = {}
+        if in_shardings is not None:
+            specs = entry.in_specs = input_specs(gdef, leaves, n_args, statics)
+            shardings["in_shardings"] = (
+                [specs[q] for q in entry.donated] if entry.donated else (),
+                [specs[q] for q in entry.kept],
+            )
         order = entry.donated + entry.kept
         inverse = [0] * len(order)
         for pos, q in enumerate(order):
@@ -196,15 +227,53 @@ def jit(
                 args[i] = v
             out = fun(*args, **dyn_kwargs, **dict(kw_static))
             out_leaves, out_gdef = flatten(out)
+            if out_shardings is not None:
+                out_leaves = constrain_outputs(out_gdef, out_leaves)
             avals = tuple((x.shape, x.dtype) for x in leaves)
             with entry.lock:
                 entry.out[avals] = out_gdef
             return out_leaves
 
         entry.fn = jax.jit(
-            flat_fun, donate_argnums=(0,) if entry.donated else (), **jax_jit_kwargs
+            flat_fun, donate_argnums=(0,) if entry.donated else (), **shardings, **jax_jit_kwargs
         )
         return entry
+
+    def input_specs(gdef: GraphDef, leaves: list, n_args: int, statics: tuple) -> list:
+        """One sharding (or None) per unique input leaf, from the per-argument ``in_shardings``."""
+        spec: Any = in_shardings
+        if isinstance(in_shardings, (tuple, list)) and not isinstance(in_shardings, PartitionSpec):
+            static_at = {i for i, _ in statics}
+            dynamic = [i for i in range(n_args) if i not in static_at]
+            if len(in_shardings) != len(dynamic):
+                raise ValueError(
+                    f"tied.jit: in_shardings has {len(in_shardings)} entries but the call has "
+                    f"{len(dynamic)} positional arguments that are not static. Give one entry per "
+                    "such argument (None: no preference), or one sharding for all of them."
+                )
+            per_arg: list = [None] * n_args
+            for i, s in zip(dynamic, in_shardings):
+                per_arg[i] = s
+            spec = (tuple(per_arg), None)
+        try:
+            return leaf_shardings(
+                gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=_place_name
+            )
+        except GraphError as e:
+            raise GraphError(_argument_path(str(e))) from None
+
+    def constrain_outputs(out_gdef: GraphDef, out_leaves: list) -> list:
+        specs = leaf_shardings(
+            out_gdef,
+            out_shardings,
+            [x.ndim for x in out_leaves],
+            label="tied.jit out_shardings",
+            name=lambda p: "output" + p,
+        )
+        return [
+            x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(out_leaves, specs)
+        ]
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -224,11 +293,21 @@ def jit(
             with lock:
                 entry = cache.get(key)
                 if entry is None:
-                    entry = cache[key] = compile_for(key, gdef, len(args), tuple(dyn_kwargs))
-        if entry.donated:
-            out_leaves = entry.fn([leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept])
-        else:
-            out_leaves = entry.fn((), leaves)
+                    entry = cache[key] = compile_for(key, gdef, leaves, len(args), tuple(dyn_kwargs))
+        try:
+            if entry.donated:
+                out_leaves = entry.fn(
+                    [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
+                )
+            else:
+                out_leaves = entry.fn((), leaves)
+        except ValueError as e:
+            if entry.in_specs is None or "does not match the sharding" not in str(e):
+                raise
+            better = _placement_error(gdef, leaves, entry.in_specs)
+            if better is None:
+                raise
+            raise better from e
         outs = entry.out
         if len(outs) == 1:
             (out_gdef,) = outs.values()
@@ -248,6 +327,31 @@ def _argument_path(message: str) -> str:
     if m.group(1) is not None:
         return f"argument {m.group(1)}: " + message[m.end():]
     return "keyword argument " + message[m.end() - 1:]
+
+
+def _place_name(path: str) -> str:
+    """A path of ``(args, kwargs)`` written as ``args[0].embed.weight`` or ``kwargs['x']``."""
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    if path.startswith("[1]"):
+        return "kwargs" + path[3:]
+    return path or "<root>"
+
+
+def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | None:
+    """Which committed input is placed otherwise than ``in_shardings`` asks, by path."""
+    for i, (x, s) in enumerate(zip(leaves, specs)):
+        if s is None or not isinstance(x, jax.Array) or not getattr(x, "committed", True):
+            continue
+        if isinstance(s, PartitionSpec) or _same_layout(x.sharding, s, x.ndim):
+            continue
+        where = _place_name(place_paths(gdef).leaves[i][0])
+        return ValueError(
+            f"tied.jit in_shardings: the input at {where} is already placed as {_describe(x.sharding)}, "
+            f"but in_shardings asks for {_describe(s)}. JAX does not move a committed array implicitly: "
+            f"place the inputs first, tied.device_put(tree, in_sharding), or change in_shardings."
+        )
+    return None
 
 
 def _reachable_leaves(gdef: GraphDef, refs: Sequence[int]) -> set[int]:
