@@ -116,7 +116,7 @@ def memory(workload: W.Workload) -> dict:
     leaves, _ = tied.flatten(model)
     params = [p for p in leaves if tied.is_param(p)]
     unique = _bytes(params)
-    grads = tied.grad(loss)(model, x, y)
+    grads = tied.jit(tied.grad(loss))(model, x, y)
     state = optim.setup(tx, model)
     state_arrays = [
         a for a in jax.tree_util.tree_leaves(state.inner_state) if jnp.issubdtype(a.dtype, jnp.inexact)
@@ -126,7 +126,7 @@ def memory(workload: W.Workload) -> dict:
     naive = _as_pytree(model)
     naive_leaves = [jnp.array(a) for a in jax.tree_util.tree_leaves(naive)]  # what jit hands back
     naive = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(naive), naive_leaves)
-    naive_grads = jax.grad(lambda p: loss(_from_pytree(model, p), x, y))(naive)
+    naive_grads = jax.jit(jax.grad(lambda p: loss(_from_pytree(model, p), x, y)))(naive)
     naive_state = tx.init(naive)
     naive_state_arrays = [
         a for a in jax.tree_util.tree_leaves(naive_state) if jnp.issubdtype(a.dtype, jnp.inexact)

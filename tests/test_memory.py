@@ -4,10 +4,14 @@ Measured on the benchmark's own workloads, from the bytes of distinct device
 buffers (an aliased gradient counts once), against the naive pytree.
 """
 
+import functools
+
 import pytest
 
 from benchmarks import workloads as W
-from benchmarks.run import memory
+from benchmarks.run import memory as measure
+
+memory = functools.cache(measure)
 
 
 @pytest.mark.parametrize("workload", [W.ALBERT, W.LM], ids=lambda w: w.name)
