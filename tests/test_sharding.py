@@ -50,7 +50,7 @@ def test_eight_fake_devices():
     )
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
-    assert "5 passed" in report, report
+    assert "6 passed" in report, report
 
 
 def seed_model():

@@ -10,7 +10,9 @@ shardings; the single-device step is itself checked against plain JAX and a
 hand-stepped optax rule in tests/test_optim.py and tests/test_jit.py.
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -212,3 +214,16 @@ def test_out_shardings_lay_out_a_shared_output_once():
     assert out["in"].sharding.is_equivalent_to(vocab, 2)
     assert [s.data.shape for s in out["in"].addressable_shards] == [(VOCAB // 8, DIM)] * 8
     np.testing.assert_array_equal(np.asarray(out["in"]), np.asarray(w) + 1)
+
+
+def test_example_data_parallel_on_eight_devices():
+    path = Path(__file__).resolve().parents[2] / "examples" / "data_parallel.py"
+    spec = importlib.util.spec_from_file_location("example_data_parallel", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    r = example.main(steps=3, verbose=False)
+    assert r["devices"] == 8 and r["ok"]
+    assert r["dp_ties"] and r["vs_ties"]
+    assert r["dp_diff"] < 1e-4 and r["vs_diff"] < 1e-4
+    assert r["shard_bytes"] == r["one_copy_bytes"] == 64 * 32 * 4 and r["shard_shape"] == (8, 32)
+    assert r["dp_loss"] < r["first_loss"]
