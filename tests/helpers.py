@@ -154,6 +154,16 @@ def is_node(x: Any) -> bool:
     return children(x) is not None and not isinstance(x, tied.View)
 
 
+def is_tracked_node(x: Any) -> bool:
+    """A node whose identity is sharing: every node but a tuple of static values, which
+    is a value (Python reuses `()` and constant tuples, as it reuses small ints)."""
+    if not is_node(x):
+        return False
+    if isinstance(x, tuple):
+        return any(is_array(c) or children(c) is not None for _, c in children(x))
+    return True
+
+
 def assert_trees_close(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     """Same places, same types, close arrays, equal non-arrays."""
     pa, pb = list(places(a)), list(places(b))

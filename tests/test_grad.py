@@ -21,6 +21,7 @@ from helpers import (
     is_array,
     is_node,
     is_param,
+    is_tracked_node,
     models,
     places,
     rebuild,
@@ -56,7 +57,7 @@ def check_gradient(model: Any, g: Any, expected: dict[str, Any]) -> None:
 def check_aliasing(model: Any, g: Any) -> None:
     """Identity in ``g`` holds exactly where the model shares: arrays and nodes."""
     pairs = list(zip((x for _, x in places(model)), (y for _, y in places(g))))
-    for pred in (is_param, is_node):
+    for pred in (is_param, is_tracked_node):
         kept = [(x, y) for x, y in pairs if pred(x)]
         assert identity_classes([y for _, y in kept]) == identity_classes([x for x, _ in kept])
 
@@ -64,7 +65,7 @@ def check_aliasing(model: Any, g: Any) -> None:
 def check_distinct(model: Any, g: Any) -> None:
     """Every place of ``g`` holds its own object: no identity anywhere."""
     pairs = list(zip((x for _, x in places(model)), (y for _, y in places(g))))
-    for pred in (is_param, is_node):
+    for pred in (is_param, is_tracked_node):
         ys = [y for x, y in pairs if pred(x)]
         assert len({id(y) for y in ys}) == len(ys)
 

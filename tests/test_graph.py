@@ -22,7 +22,7 @@ from helpers import (
     EqxPair,
     children,
     is_array,
-    is_node,
+    is_tracked_node,
     models,
     places,
     rebuild,
@@ -40,7 +40,7 @@ def reference_ties(tree: Any) -> list[tuple[str, ...]]:
     """Objects (arrays, nodes) met at two or more places, entering each node once."""
     paths: dict[int, list[str]] = {}
     for p, x in places(tree, into_shared=False):
-        if is_array(x) or is_node(x) or isinstance(x, tied.View):
+        if is_array(x) or is_tracked_node(x) or isinstance(x, tied.View):
             paths.setdefault(id(x), []).append(p or "<root>")
     return [tuple(ps) for ps in paths.values() if len(ps) > 1]
 
@@ -79,7 +79,7 @@ def test_round_trip_keeps_types_statics_and_sharing(model):
             assert type(x) is type(y), path
             if children(x) is None:  # arrays and statics: the very same objects
                 assert x is y, path
-        for pred in (is_array, is_node):
+        for pred in (is_array, is_tracked_node):
             assert sharing_groups(back, pred) == sharing_groups(model, pred)
 
 
@@ -95,7 +95,7 @@ def test_unflatten_with_new_leaves_puts_one_new_array_at_every_place(model):
             factor = 2 if tied.is_param(x) else None
             ref = np.asarray(x) * 2 if factor else np.asarray(x) + 1
             np.testing.assert_allclose(np.asarray(y), ref, err_msg=path)
-    assert sharing_groups(back, is_node) == sharing_groups(model, is_node)
+    assert sharing_groups(back, is_tracked_node) == sharing_groups(model, is_tracked_node)
 
 
 @given(models())
@@ -449,8 +449,30 @@ def test_compiled_plans_never_return_a_stale_structure(model):
         assert len(vleaves) == len(expected) and all(a is b for a, b in zip(vleaves, expected))
         assert tied.ties(v) == reference_ties(v)
         back = tied.unflatten(vgdef, vleaves)
-        for pred in (is_array, is_node):
+        for pred in (is_array, is_tracked_node):
             assert sharing_groups(back, pred) == sharing_groups(v, pred)
         assert [x for _, x in places(back) if children(x) is None and not is_array(x)] == [
             x for _, x in places(v) if children(x) is None and not is_array(x)
         ]
+
+
+def test_tuples_of_static_values_are_values_not_ties():
+    w = jnp.ones(2)
+    shape = (2, 2)  # one object at two places, as Python reuses constant tuples
+    model = [{"w": w, "shape": shape, "none": ()}, {"w": jnp.zeros(2), "shape": shape, "none": ()}]
+    assert tied.ties(model) == []
+    assert tied.flatten(model)[1] == tied.flatten(
+        [{"w": w, "shape": (2, int("2")), "none": ()}, {"w": jnp.zeros(2), "shape": (2, 2), "none": ()}]
+    )[1]
+    g = tied.grad(lambda m: sum(jnp.sum(d["w"]) for d in m))(model)
+    assert g[0]["shape"] == (None, None) and g[0]["none"] == ()
+    pair = (w, 3)  # a tuple holding an array is a node: its identity is sharing
+    assert tied.ties([pair, pair]) == [("[0]", "[1]")]
+
+
+def test_unregistered_list_subclass_holding_arrays_is_refused():
+    class Layers(list):
+        pass
+
+    with pytest.raises(tied.GraphError, match=r"\['a'\]: .*Layers holds arrays.*subclasses list"):
+        tied.flatten({"a": Layers([jnp.ones(2)])})

@@ -186,6 +186,10 @@ def _has_arrays(obj: Any) -> bool:
             d = getattr(x, "__dict__", None)
             if isinstance(d, dict):
                 stack.extend(d.values())
+            if isinstance(x, (list, tuple)):  # an unregistered subclass of a container
+                stack.extend(x)
+            elif isinstance(x, dict):
+                stack.extend(x.values())
         else:
             stack.extend(_node_children(k, x)[0])
     return False
@@ -195,13 +199,22 @@ def _unknown_static(x: Any) -> None:
     if hasattr(x, "__dict__") and _has_arrays(x):
         cls = type(x)
         name = f"{cls.__module__}.{cls.__qualname__}"
+        base = next((b.__name__ for b in (list, tuple, dict) if isinstance(x, b)), None)
+        if base is not None:
+            fix = (
+                f"it subclasses {base}, which tied would rebuild as a plain {base}: register "
+                f"it with jax.tree_util.register_pytree_node (or hold a plain {base})."
+            )
+        else:
+            fix = (
+                f"decorate it with @tied.register, or call tied.register({cls.__qualname__}) "
+                "(a dataclass, an Equinox module or a JAX-registered pytree needs nothing)."
+            )
 
         def message(path: str) -> str:
             return (
-                f"{path}: an object of unregistered class {name} holds arrays in its __dict__, "
-                "and tied would drop them as a static leaf. Register the class so tied walks "
-                f"it: decorate it with @tied.register, or call tied.register({cls.__qualname__}) "
-                "(a dataclass, an Equinox module or a JAX-registered pytree needs nothing)."
+                f"{path}: an object of unregistered class {name} holds arrays, and tied would "
+                f"drop them as a static leaf. Register the class so tied walks it: {fix}"
             )
 
         raise _WalkError(message)
@@ -412,6 +425,12 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
                 _unknown_static(x)
             statics.append(x)
             return 3 * len(statics) - 1
+        if (k is TUPLE or k is NAMEDTUPLE) and all(kind_of(c) is _STATIC for c in x):
+            # A tuple of static values is a value: Python reuses such tuples (`()`,
+            # constants), so their identity says nothing. One record per place.
+            j = len(records)
+            records.append((k, *_node_children(k, x)[1:], tuple(visit(c) for c in x)))
+            return 3 * j + 1
         r = get(id(x))
         if r is not None:
             if r in open_immutable:
@@ -445,6 +464,12 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     except _WalkError as e:
         raise e.finish() from None
     return leaves, GraphDef(tuple(records), tuple(statics), root, len(leaves))
+
+
+def untracked(record: tuple) -> bool:
+    """Whether a node record stands for one place only: a tuple of static values."""
+    kind, _, refs = record
+    return (kind == TUPLE or kind == NAMEDTUPLE) and all(r % 3 == 2 for r in refs)
 
 
 def _too_deep(path: str) -> str:

@@ -101,7 +101,8 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             n = len(refs)
             v = f"n{q}"
             emit(f" {v} = {expr}")
-            emit(f" B({v})")
+            if not g.untracked(records[q]):
+                emit(f" B({v})")
             if kind == g.LIST or kind == g.TUPLE:
                 typ = "list" if kind == g.LIST else "tuple"
                 emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
@@ -137,7 +138,8 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 ns["View"] = View
                 child_expr[q] = [f"{v}.source"]
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
-    emit(f" if len(set(map(id, N))) != {len(records)}: raise M")
+    tracked = sum(1 for rec in records if not g.untracked(rec))
+    emit(f" if len(set(map(id, N))) != {tracked}: raise M")
     emit(" return out")
     body = "\n".join(lines)
     wrapper = (
