@@ -472,6 +472,10 @@ def untracked(record: tuple) -> bool:
     return (kind == TUPLE or kind == NAMEDTUPLE) and all(r % 3 == 2 for r in refs)
 
 
+def _article(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
 def _too_deep(path: str) -> str:
     return f"{path}: the graph is nested too deeply for Python's recursion limit."
 
@@ -888,7 +892,7 @@ def read_places(
         except (KeyError, AttributeError, TypeError) as e:
             if isinstance(e, GraphError):
                 raise
-            raise mismatch(where(), f"a {_KIND_NAMES[kind]} like the model's", obj) from None
+            raise mismatch(where(), f"{_article(_KIND_NAMES[kind])} like the model's", obj) from None
         open_nodes.add(q)
         for i, (c, x) in enumerate(zip(refs, children)):
             visit(c, x, lambda q=q, i=i: path_of(q, i))
