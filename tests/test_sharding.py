@@ -163,12 +163,18 @@ def test_jit_with_shardings_equals_jit_without_and_keeps_ties():
     m = seed_model()
     x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
 
+    traces = []
+
     def step(m, x):
+        traces.append(1)
         return m, tied.grad(lambda m: jnp.sum(m(x) ** 2))(m)
 
     plain = tied.jit(step)(m, x)
-    sharded = tied.jit(step, in_shardings=(tied.sharding_tree(m, lambda p, x: A), None),
-                       out_shardings=A)(m, x)
+    f = tied.jit(step, in_shardings=(tied.sharding_tree(m, lambda p, x: A), None), out_shardings=A)
+    # Placed as in_shardings asks (as jax.jit, a new input sharding would trace again).
+    sharded = f(tied.device_put(m, A), x)
+    f(sharded[0], x)
+    assert len(traces) == 2  # one trace each: the second sharded call is served from the cache
     for a, b in zip(tied.flatten(plain)[0], tied.flatten(sharded)[0]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     out_m, g = sharded
