@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -89,7 +90,8 @@ def register(cls: type) -> type:
     with _cache_lock:
         _registered.add(cls)
         _type_cache.clear()
-        _flatten_plans.clear()
+        for cache in _plan_caches:
+            cache.clear()
     return cls
 
 
@@ -359,24 +361,48 @@ def flatten(tree: Any) -> tuple[list, GraphDef]:
         >>> len(leaves)            # w and b, once each
         2
     """
-    plans = _flatten_plans.get(type(tree))
+    return flatten_with(tree, _flatten_plans)
+
+
+class PlanCache(dict):
+    """Compiled flatten plans by root type, most recent first. `flatten` shares one;
+    `tied.jit` keeps one per function, so that busy programs do not evict its plans."""
+
+    __hash__ = object.__hash__  # by identity, to live in a WeakSet
+    __eq__ = object.__eq__
+
+
+_plan_caches: weakref.WeakSet = weakref.WeakSet()  # cleared when a class is registered
+
+
+def plan_cache() -> PlanCache:
+    cache = PlanCache()
+    _plan_caches.add(cache)
+    return cache
+
+
+_flatten_plans = plan_cache()
+
+
+def flatten_with(tree: Any, cache: PlanCache) -> tuple[list, GraphDef]:
+    """`flatten`, trying the compiled plans of ``cache`` first (see _plan.py)."""
+    plans = cache.get(type(tree))
     if plans:
         for gdef, plan in plans:
             leaves = plan(tree)
             if leaves is not None:
                 return leaves, gdef
     leaves, gdef = _walk(tree)
-    return leaves, _maybe_plan(tree, gdef)
+    return leaves, _maybe_plan(tree, gdef, cache)
 
 
-# Compiled flatten plans (see _plan.py), per root type, most recent first. A
-# structure gets a plan the second time the walk meets it.
-_flatten_plans: dict[type, tuple] = {}
+# A structure gets a plan the second time the walk meets it; `_seen_once` also
+# interns GraphDefs, so equal structures give the very same GraphDef object.
 _seen_once: dict[GraphDef, GraphDef] = {}
 _MAX_PLANS_PER_TYPE = 8
 
 
-def _maybe_plan(tree: Any, gdef: GraphDef) -> GraphDef:
+def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
     """Count a sighting of ``gdef``; on the second, compile its plan. Returns the
     first-seen equal GraphDef, so that caches keyed on it compare by identity."""
     from ._plan import compile_flatten
@@ -394,8 +420,8 @@ def _maybe_plan(tree: Any, gdef: GraphDef) -> GraphDef:
     if plan is not None:
         with _cache_lock:
             _seen_once.pop(first, None)
-            old = _flatten_plans.get(type(tree), ())
-            _flatten_plans[type(tree)] = ((first, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
+            old = cache.get(type(tree), ())
+            cache[type(tree)] = ((first, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
     return first
 
 

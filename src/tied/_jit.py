@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ._graph import GraphDef, GraphError, _unflatten, flatten, place_paths
+from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, place_paths, plan_cache
 from ._sharding import _describe, _same_layout, leaf_shardings
 
 __all__ = ["Graph", "jit"]
@@ -161,6 +161,7 @@ def jit(
     static_nums, static_names = frozenset(static_nums), frozenset(static_names)
     donate_nums, donate_names = frozenset(donate_nums), frozenset(donate_names)
     cache: dict = {}
+    plans = plan_cache()
     lock = threading.Lock()
 
     def split(args: tuple, kwargs: dict):
@@ -278,7 +279,7 @@ def jit(
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         static_key, dyn_args, dyn_kwargs = split(args, kwargs)
-        leaves, gdef = flatten((dyn_args, dyn_kwargs))
+        leaves, gdef = flatten_with((dyn_args, dyn_kwargs), plans)
         key = (gdef, static_key)
         try:
             entry = cache.get(key)
