@@ -4,7 +4,7 @@ import numpy as np
 
 from tied import demo
 
-DIM, VOCAB, SEQ, HIDDEN = 64, 71, 64, 256
+DIM, VOCAB, SEQ, HIDDEN = 64, 74, 64, 256
 
 
 def test_corpus_is_shipped_and_small():

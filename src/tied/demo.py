@@ -2,8 +2,9 @@
 
 ``python -m tied.demo [--steps N] [--out DIR] [--seed S]`` trains a small
 character-level language model on the public-domain texts shipped with the
-package (``tied/data/corpus.txt``: Shakespeare's sonnets and a few other poems
-and speeches, typed out; about 18 KB). Two kinds of sharing:
+package (``tied/data/corpus.txt``: Shakespeare's sonnets and speeches, and poems
+and speeches by Poe, Keats, Lincoln and others, all published before 1890, typed
+out; about 45 KB). Two kinds of sharing:
 
 * the output head *is* the input embedding: ``head = Dense(embed.weight)``;
 * ALBERT-style depth: two transformer blocks, each used at two layers
@@ -15,8 +16,8 @@ loss before and after, sampled text, the memory of gradients plus optimiser
 state against a per-place representation, and checks in words that every tie
 still holds. Into ``--out`` it writes the loss curve (``loss.png``), the
 checkpoint (``checkpoint.safetensors``, reloaded and checked), the summary
-(``summary.txt``) and the DAG (``model.dot``, and ``model.svg`` when Graphviz's
-``dot`` is installed).
+(``summary.txt``) and the DAG (``model.dot``, and ``model.svg``/``model.png`` when
+Graphviz's ``dot`` is installed).
 
 `main` returns a dict of the figures it printed, for tests.
 """
@@ -42,8 +43,9 @@ from ._graph import expand
 from .nn import Dense, Embedding, LayerNorm, TransformerBlock
 
 DIM, HEADS, BLOCKS, REPEAT, SEQ, BATCH = 64, 4, 2, 2, 64, 32
-DEFAULT_STEPS = 1500
+DEFAULT_STEPS = 1200
 CORPUS = "data/corpus.txt"
+HELD_OUT_CHUNK = 1000
 PROMPTS = ("Shall I compare thee", "When in the ", "Love is ")
 
 
@@ -77,6 +79,13 @@ def load_corpus() -> str:
 def loss_fn(model: CharTransformer, ids: Any, targets: Any) -> Any:
     logp = jax.nn.log_softmax(model(ids))
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def _split(ids: np.ndarray) -> tuple[Any, Any]:
+    """Training and held-out characters: every tenth stretch of the text is held out, so
+    both halves have the same mix of poems and prose."""
+    held_mask = (np.arange(len(ids)) // HELD_OUT_CHUNK) % 10 == 9
+    return jnp.asarray(ids[~held_mask]), jnp.asarray(ids[held_mask])
 
 
 def _windows(data: Any, starts: Any) -> tuple[Any, Any]:
@@ -190,13 +199,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- data: characters of the shipped corpus; the last 10% is held out
     text = load_corpus()
     chars = sorted(set(text))
-    data = jnp.asarray(np.array([chars.index(c) for c in text], dtype=np.int32))
-    split = int(0.9 * len(text))
-    train, held = data[:split], data[split:]
+    train, held = _split(np.array([chars.index(c) for c in text], dtype=np.int32))
     print("tied demo: a character-level transformer whose output head is its input embedding")
-    print(f"corpus: tied/{CORPUS}, {len(text):,} characters of public-domain text "
-          f"(Shakespeare's sonnets, Shelley, Blake, Wordsworth, Lincoln, the Declaration of "
-          f"Independence), {len(chars)} distinct characters; the last 10% is held out\n")
+    print(f"corpus: tied/{CORPUS}, {len(text):,} characters of public-domain poems and speeches "
+          f"(Shakespeare, Poe, Keats, Lincoln, ...), {len(chars)} distinct characters; every "
+          f"tenth stretch of {HELD_OUT_CHUNK:,} characters is held out\n")
 
     # ---- the model and what tied sees in it
     key_model, key_data, key_sample = jax.random.split(jax.random.key(args.seed), 3)
@@ -315,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if shutil.which("dot"):
         files["dag"] = os.path.join(args.out, "model.svg")
         tied.render_dot(dot, files["dag"])
+        files["dag_png"] = os.path.join(args.out, "model.png")
+        tied.render_dot(dot, files["dag_png"])
     print(f"\nthe checkpoint reloads with its ties (back.head.weight is back.embed.weight): "
           f"{'yes' if reloaded_ok else 'NO'}")
     print("files:")
