@@ -8,7 +8,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -83,7 +82,6 @@ def test_rnn_loop_and_scan_agree():
     assert r["loss_after"] < r["loss_before"] / 5
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_equinox_interop_tied_keeps_the_tie_plain_equinox_breaks_it():
     r = load("equinox_interop").main(verbose=False)
     assert r["one_node"] and r["kept"]
