@@ -204,6 +204,23 @@ def test_a_view_over_none_names_the_path():
         tied.grad(lambda m: m["w"].sum())(model)
 
 
+def test_view_shape_and_dtype_without_computing_and_for_numpy_functions():
+    calls = []
+
+    def counted(w):
+        calls.append(type(w).__name__)
+        return w[:, :2]
+
+    v = tied.view(jnp.ones((3, 4)), counted)
+    assert v.shape == (3, 2) and v.dtype == jnp.float32
+    assert all("Tracer" in c for c in calls)  # traced by eval_shape, never run on the data
+    w = np.ones((2, 3), dtype=np.float32)
+    v = tied.view(w, lambda a: np.asarray(a).T)  # not traceable: computed instead
+    assert v.shape == (3, 2) and v.dtype == np.float32
+    twice = tied.transpose(tied.view(jnp.ones((2, 5)), counted))  # a view of a view
+    assert twice.shape == (2, 2)
+
+
 def test_view_constructor_and_materialize_of_plain_values():
     with pytest.raises(TypeError, match=r"fn must be callable"):
         tied.view(jnp.ones(2), "transpose")

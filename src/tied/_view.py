@@ -62,15 +62,23 @@ class View:
         out = np.asarray(materialize(self))
         return out if dtype is None else out.astype(dtype)
 
+    def _abstract(self) -> Any:
+        source = self.source._abstract() if type(self.source) is View else self.source
+        fn = self.fn
+        try:  # trace fn on the source's shape and dtype, without computing it
+            return jax.eval_shape(lambda s: fn(s), source)
+        except Exception:  # not traceable (numpy code), or failing: compute it, or fail as it does
+            return materialize(self)
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of ``fn(source)``, found by tracing ``fn`` without computing it."""
-        return tuple(jax.eval_shape(self.materialize).shape)
+        return tuple(self._abstract().shape)
 
     @property
     def dtype(self) -> Any:
         """The dtype of ``fn(source)``, found without computing it."""
-        return jax.eval_shape(self.materialize).dtype
+        return self._abstract().dtype
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", repr(self.fn))
