@@ -82,14 +82,17 @@ def ref_per_place(x, open_ids=()) -> int:
     return sum(ref_per_place(c, (*open_ids, id(x))) for c in kids)
 
 
-def ref_unique(x) -> dict[int, object]:
+def ref_unique(x) -> dict:
     """Every distinct array and container (views included) by identity."""
     seen: dict[int, object] = {}
+
+    def value_tuple(y) -> bool:  # a tuple of static values: one node per place, never shared
+        return type(y) is tuple and all(not is_array(c) and children(c) is None for c in y)
 
     def go(y):
         if id(y) in seen or (not is_array(y) and children(y) is None):
             return
-        seen[id(y)] = y
+        seen[("place", len(seen)) if value_tuple(y) else id(y)] = y
         for c in children(y) or []:
             go(c)
 
