@@ -14,6 +14,7 @@ GraphDef by the walk.
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Callable
 from typing import Any
 
@@ -53,14 +54,23 @@ def _walk_order(gdef: g.GraphDef) -> list[tuple[int, int, int]]:
 
 
 def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
-    """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made."""
+    """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made.
+
+    The code reads every place into a local, then checks what the walk would have
+    established, mostly in a few C-level comparisons at the end: the types of the
+    leaves and of the attribute-holding nodes, the sizes of their ``__dict__``, the
+    static values (and their types), and that the objects that were distinct are
+    still distinct. Reading before checking only ever indexes a dict or a list, or
+    reads ``__dict__``: nodes whose reading could run user code (slotted
+    dataclasses, JAX-registered nodes, views) are type-checked before.
+    """
     for s in gdef.statics:
         if g._type_cache.get(type(s)) is not g._STATIC:
             return None  # an object whose arrays the walk must look for each time
     records = gdef.records
-    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss}
+    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View}
     ns["FOL"] = g._registry.flatten_one_level
-    lines = ["def plan(root):", " out = []", " A = out.append", " N = []", " B = N.append"]
+    lines = ["def plan(root):"]
     emit = lines.append
     counter = [0]
 
@@ -70,29 +80,28 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         ns[name] = value
         return name
 
-    # Expression yielding child i of node j, given node j lives in local n{j}.
+    # Expression yielding child i of node q, once node q sits in local n{q}.
     child_expr: dict[int, list[str]] = {}
     seen_leaf: set[int] = set()
     seen_node: set[int] = set()
-    shared_leaf = {q for q, n in enumerate(_leaf_place_counts(gdef)) if n > 1}
+    statics: list[str] = []  # locals holding static values, in order
+    static_values: list[Any] = []
+    tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
+    deferred_types: list[tuple[str, Any]] = []  # (local, expected type) for OBJ nodes
+    deferred_lens: list[tuple[str, int]] = []
     for parent, i, r in _walk_order(gdef):
         expr = "root" if parent < 0 else child_expr[parent][i]
         q, m = divmod(r, 3)
         if m == 2:
-            s = gdef.statics[q]
-            name = const(s, "S")
-            tname = const(type(s), "ST")
-            emit(f" x = {expr}")
-            emit(f" if type(x) is not {tname} or (x is not {name} and not (x == {name})): raise M")
+            statics.append(f"s{q}")
+            static_values.append(gdef.statics[q])
+            emit(f" s{q} = {expr}")
         elif m == 0:
             if q in seen_leaf:
                 emit(f" if {expr} is not l{q}: raise M")
             else:
                 seen_leaf.add(q)
-                target = f"l{q}" if q in shared_leaf else "x"
-                emit(f" {target} = {expr}")
-                emit(f" if type({target}) not in AT: raise M")
-                emit(f" A({target})")
+                emit(f" l{q} = {expr}")
         elif q in seen_node:  # a later place of a node: the same object
             emit(f" if {expr} is not n{q}: raise M")
         else:
@@ -102,7 +111,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             v = f"n{q}"
             emit(f" {v} = {expr}")
             if not g.untracked(records[q]):
-                emit(f" B({v})")
+                tracked_nodes.append((v, records[q]))
             if kind == g.LIST or kind == g.TUPLE:
                 typ = "list" if kind == g.LIST else "tuple"
                 emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
@@ -112,10 +121,9 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 emit(f" if type({v}) is not dict or len({v}) != {n}: raise M")
                 child_expr[q] = [f"{v}[{keys}[{k}]]" for k in range(n)]
             elif kind == g.OBJ:
-                t = const(meta[0], "T")
-                emit(f" if type({v}) is not {t}: raise M")
+                deferred_types.append((v, meta[0]))
+                deferred_lens.append((f"d{q}", n))
                 emit(f" d{q} = {v}.__dict__")
-                emit(f" if len(d{q}) != {n}: raise M")
                 child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
             elif kind == g.SLOTS:
                 t = const(meta[0], "T")
@@ -135,11 +143,32 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             else:  # VIEW
                 fn = const(meta, "FN")
                 emit(f" if type({v}) is not View or ({v}.fn is not {fn} and not ({v}.fn == {fn})): raise M")
-                ns["View"] = View
                 child_expr[q] = [f"{v}.source"]
+
+    def tup(names: list[str]) -> str:
+        return "(" + "".join(f"{x}, " for x in names) + ")"
+
+    if deferred_types:
+        types = const(tuple(t for _, t in deferred_types), "TYPES")
+        emit(f" if tuple(map(type, {tup([v for v, _ in deferred_types])})) != {types}: raise M")
+        lens = const(tuple(n for _, n in deferred_lens), "LENS")
+        emit(f" if tuple(map(len, {tup([d for d, _ in deferred_lens])})) != {lens}: raise M")
+    if statics:
+        values = const(tuple(static_values), "SV")
+        stypes = const(tuple(type(x) for x in static_values), "ST")
+        emit(f" sv = {tup(statics)}")
+        emit(f" if sv != {values} or tuple(map(type, sv)) != {stypes}: raise M")
+    emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
+    emit(" if not AT.issuperset(map(type, out)): raise M")
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
-    tracked = sum(1 for rec in records if not g.untracked(rec))
-    emit(f" if len(set(map(id, N))) != {tracked}: raise M")
+    # Distinct nodes stay distinct. Types are checked above, so objects of the two
+    # groups cannot coincide; those hashed by identity go into a set as they are.
+    by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
+    by_id = [v for v, rec in tracked_nodes if not _identity_hashed(rec)]
+    if len(by_identity) > 1:
+        emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
+    if len(by_id) > 1:
+        emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
     emit(" return out")
     body = "\n".join(lines)
     wrapper = (
@@ -161,6 +190,29 @@ def _leaf_place_counts(gdef: g.GraphDef) -> list[int]:
         if r % 3 == 0:
             counts[r // 3] += 1
     return counts
+
+
+def _identity_hashed(record: tuple) -> bool:
+    """An attribute-holding node whose class hashes and compares by identity."""
+    if record[0] != g.OBJ:
+        return False
+    cls = record[1][0]
+    return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
+
+
+def _plain_attributes(cls: type, names: tuple) -> bool:
+    """Whether ``obj.name = value`` on a fresh instance only stores into its ``__dict__``:
+    no custom ``__setattr__`` (frozen dataclasses have one), no descriptor of that name."""
+    if getattr(cls, "__setattr__", None) is not object.__setattr__:
+        return False
+    for name in names:
+        if not (isinstance(name, str) and name.isidentifier()) or keyword.iskeyword(name):
+            return False
+        if name.startswith("__"):
+            return False
+        if hasattr(type(getattr(cls, name, None)), "__set__"):
+            return False
+    return True
 
 
 def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any]:
@@ -207,6 +259,9 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
         elif kind == g.DICT:
             ns[f"K{j}"] = meta
             emit(f" n{j}.update(zip(K{j}, ({', '.join(ref(r) for r in refs)},)))")
+        elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
+            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
+                emit(f" n{j}.{name} = {ref(r)}")
         elif kind == g.OBJ:
             items = ", ".join(f"{name!r}: {ref(r)}" for name, r in zip(meta[1], refs))
             emit(f" n{j}.__dict__.update({{{items}}})")
