@@ -331,3 +331,11 @@ def test_flatten_plan_follows_every_kind_of_change():
     check(tree)
     tree["z"] = 3  # new key
     check(tree)
+    # two distinct nodes holding the same arrays, then one node at both places:
+    # the arrays alone cannot tell, the nodes' identity must
+    pair = [Box(w, 1), Box(w, 1)]
+    for _ in range(3):
+        check(pair)
+    pair[1] = pair[0]
+    check(pair)
+    assert tied.ties(pair) == [("[0]", "[1]")]
