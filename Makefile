@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(VENV)/.bench: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
+	@# Graphviz draws the model's DAG; the demo runs without it, so installing it is best effort.
+	@command -v dot >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		(apt-get install -y -qq graphviz >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq graphviz >/dev/null 2>&1))) || \
+		echo "note: Graphviz's dot is not installed; the demo writes model.dot but no picture"
 	$(PY) -m tied.demo
 
 test: $(VENV)/.base

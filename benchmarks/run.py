@@ -44,6 +44,10 @@ def _block(value):
         value.item()
 
 
+def _value(x) -> float:
+    return float(x.detach()) if hasattr(x, "detach") else float(x)
+
+
 def time_steps(workload: W.Workload, rounds: int, budget_s: float) -> dict:
     """Median seconds per step of each system, systems interleaved in every round."""
     runs, skipped, agree = {}, {}, {}
@@ -56,7 +60,7 @@ def time_steps(workload: W.Workload, rounds: int, budget_s: float) -> dict:
         if run is None:
             skipped[name] = "not written for this workload"
             continue
-        losses = [float(run()) for _ in range(3)]  # compile and warm up
+        losses = [_value(run()) for _ in range(3)]  # compile and warm up
         runs[name] = run
         agree[name] = losses
     # steps per round: about budget_s / rounds of the slowest system's time
@@ -391,9 +395,9 @@ def main(argv=None) -> dict:
         r = time_steps(w, args.rounds, args.budget)
         results["steps"][w.name] = r
         for name, ratio in r["ratio"].items():
-            same = "same losses" if r["same_losses_as_pure_jax"][name] else "DIFFERENT losses"
+            same = "same losses as" if r["same_losses_as_pure_jax"][name] else "losses DIFFER from"
             ms = r["seconds"][name] * 1e3
-            print(f"  {name:24s} {ms:8.3f} ms/step  {ratio:5.2f}x  ({same} as pure JAX)", flush=True)
+            print(f"  {name:24s} {ms:8.3f} ms/step  {ratio:5.2f}x  ({same} pure JAX)", flush=True)
         results["memory"][w.name] = mem = memory(w)
         print(f"  memory ratio: tied {mem['tied']:.2f}, naive pytree {mem['naive_pytree']:.2f}", flush=True)
     print("[scaling] flatten+unflatten", flush=True)
