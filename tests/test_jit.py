@@ -339,3 +339,23 @@ def test_flatten_plan_follows_every_kind_of_change():
     pair[1] = pair[0]
     check(pair)
     assert tied.ties(pair) == [("[0]", "[1]")]
+
+
+def test_equal_graphdefs_are_the_same_jax_type_so_jax_jit_does_not_retrace():
+    traces = []
+
+    @jax.jit
+    def f(graph):
+        traces.append(1)
+        return graph.value(X).sum()
+
+    a, b = seed_model(), seed_model()
+    b.layers[0].weight = b.layers[0].weight + 1.0  # new values, same structure...
+    b.layers[1].weight = b.layers[0].weight  # ...and the same sharing
+    np.testing.assert_allclose(f(tied.Graph(a)), a(X).sum(), rtol=1e-5)
+    np.testing.assert_allclose(f(tied.Graph(b)), b(X).sum(), rtol=1e-5)
+    assert len(traces) == 1
+    c = seed_model()
+    c.layers[1] = Dense(c.layers[0].weight + 0.0, c.layers[0].bias, jnp.tanh)  # a tie cut
+    np.testing.assert_allclose(f(tied.Graph(c)), c(X).sum(), rtol=1e-5)
+    assert len(traces) == 2
