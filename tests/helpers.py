@@ -23,14 +23,17 @@ K = jax.tree_util
 
 @tied.register
 class Dense:
-    """A plain registered class: ``x @ weight.T + bias``."""
+    """A plain registered class: ``activation(x @ weight.T + bias)``; the activation is a
+    static field (None: none)."""
 
-    def __init__(self, weight, bias):
+    def __init__(self, weight, bias, activation=None):
         self.weight = weight
         self.bias = bias
+        self.activation = activation
 
     def __call__(self, x):
-        return x @ tied.materialize(self.weight).T + self.bias
+        y = x @ tied.materialize(self.weight).T + self.bias
+        return y if self.activation is None else self.activation(y)
 
 
 @tied.register

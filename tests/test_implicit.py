@@ -17,29 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import Chain, Dense
 
 import tied
-
-
-@tied.register
-class Dense:
-    def __init__(self, weight, bias):
-        self.weight = weight
-        self.bias = bias
-
-    def __call__(self, x):
-        return x @ tied.materialize(self.weight).T + self.bias
-
-
-@tied.register
-class Chain:
-    def __init__(self, *layers):
-        self.layers = list(layers)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def seed():

@@ -6,29 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import Chain, Dense
 
 import tied
-
-
-@tied.register
-class Dense:
-    def __init__(self, weight, bias, activation=None):
-        self.weight, self.bias, self.activation = weight, bias, activation
-
-    def __call__(self, x):
-        y = x @ self.weight.T + self.bias
-        return y if self.activation is None else self.activation(y)
-
-
-@tied.register
-class Chain:
-    def __init__(self, *layers):
-        self.layers = list(layers)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def dense(key, n_in=3, n_out=3, activation=jnp.tanh):

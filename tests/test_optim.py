@@ -17,32 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import Chain, Dense
 
 import tied
-
-
-@tied.register
-class Dense:
-    def __init__(self, weight, bias, act=jnp.tanh):
-        self.weight = weight
-        self.bias = bias
-        self.act = act
-
-    def __call__(self, x):
-        y = x @ tied.materialize(self.weight).T + self.bias
-        return y if self.act is None else self.act(y)
-
-
-@tied.register
-class Chain:
-    def __init__(self, *layers):
-        self.layers = list(layers)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
 
 NAMES = ("w", "b", "b2", "hw", "hb")
 
@@ -52,9 +29,9 @@ def make_model(seed: int = 0) -> Chain:
     so the weight has three places and d1's bias two. Plus a static tag and an int array."""
     k = jax.random.split(jax.random.key(seed), 3)
     w = 0.5 * jax.random.normal(k[0], (4, 4))
-    d1 = Dense(w, 0.1 * jax.random.normal(k[1], (4,)))
-    d2 = Dense(w, jnp.full((4,), 0.05, jnp.float32))
-    head = Dense(0.5 * jax.random.normal(k[2], (2, 4)), jnp.zeros(2), act=None)
+    d1 = Dense(w, 0.1 * jax.random.normal(k[1], (4,)), jnp.tanh)
+    d2 = Dense(w, jnp.full((4,), 0.05, jnp.float32), jnp.tanh)
+    head = Dense(0.5 * jax.random.normal(k[2], (2, 4)), jnp.zeros(2))
     c = Chain(d1, d2, d1, head)
     c.tag = "mlp"
     c.ids = jnp.arange(3)
@@ -127,7 +104,7 @@ def assert_ties(m: Chain, ids=None) -> None:
     assert m.layers[1].weight is m.layers[0].weight
     assert m.layers[1] is not m.layers[0]
     assert m.tag == "mlp"
-    assert m.layers[0].act is jnp.tanh and m.layers[3].act is None
+    assert m.layers[0].activation is jnp.tanh and m.layers[3].activation is None
     if ids is not None:
         assert m.ids is ids
 
@@ -203,7 +180,7 @@ def test_input_model_untouched():
 
 def _grad_tree(gs: list, cls=Chain):
     """A gradient shaped like make_model(): one Dense per place, arrays or None."""
-    g = cls(*(Dense(w, b, act=None) for w, b in gs))
+    g = cls(*(Dense(w, b) for w, b in gs))
     g.tag = g.ids = None
     return g
 
@@ -384,8 +361,8 @@ def test_freeze_through_one_place_with_adam_then_thaw():
 
 
 def test_freeze_by_view_and_errors():
-    enc = Dense(jnp.ones((3, 2)), jnp.zeros(3))
-    dec = Dense(tied.transpose(enc.weight), jnp.zeros(2), act=None)
+    enc = Dense(jnp.ones((3, 2)), jnp.zeros(3), jnp.tanh)
+    dec = Dense(tied.transpose(enc.weight), jnp.zeros(2))
     m = Chain(enc, dec)
     state = tied.optim.setup(optax.sgd(0.1), m)
     assert len(state.params) == 3  # enc.weight, enc.bias, dec.bias: the view is no parameter
