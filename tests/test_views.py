@@ -199,9 +199,17 @@ def test_a_view_function_failing_on_the_source_shape_names_the_path():
 
 
 def test_a_view_over_none_names_the_path():
-    model = {"dec": tied.transpose(None), "w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"tied.transpose: the source must be an array .* got NoneType"):
+        tied.transpose(None)
+    model = {"dec": tied.View(None, tied._view._transpose), "w": jnp.ones(2)}  # built by hand
     with pytest.raises(tied.GraphError, match=r"\['dec'\]: .*transpose"):
         tied.grad(lambda m: m["w"].sum())(model)
+
+
+def test_a_view_of_a_whole_layer_is_refused_with_the_fix():
+    layer = Dense(jnp.ones((2, 3)))
+    with pytest.raises(TypeError, match=r"got Dense\. To tie to a whole layer, put the layer"):
+        tied.view(layer, lambda d: d)
 
 
 def test_view_shape_and_dtype_without_computing_and_for_numpy_functions():

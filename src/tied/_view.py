@@ -99,7 +99,19 @@ def view(source: Any, fn: Callable[[Any], Any]) -> View:
     Example:
         >>> dec = Dense(tied.view(enc.weight, lambda w: w.T))
     """
-    return View(source, fn)
+    return View(_check_source(source, "tied.view"), fn)
+
+
+def _check_source(source: Any, where: str) -> Any:
+    import numpy as np
+
+    if isinstance(source, (View, jax.Array, np.ndarray)):
+        return source
+    raise TypeError(
+        f"{where}: the source must be an array (the parameter the view is a function of) or "
+        f"another view, got {type(source).__name__}. To tie to a whole layer, put the layer "
+        "itself at both places; to view a layer's weight, pass that array (layer.weight)."
+    )
 
 
 def _transpose(x):
@@ -115,7 +127,7 @@ def transpose(source: Any) -> View:
     Example:
         >>> dec = Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
     """
-    return View(source, _transpose)
+    return View(_check_source(source, "tied.transpose"), _transpose)
 
 
 def materialize(x: Any) -> Any:
