@@ -15,6 +15,7 @@ GraphDef by the walk.
 from __future__ import annotations
 
 import keyword
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             return None  # an object whose arrays the walk must look for each time
     records = gdef.records
     ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View}
+    ns["is_"], ns["is_not"] = operator.is_, operator.is_not
     ns["FOL"] = g._registry.flatten_one_level
     lines = ["def plan(root):"]
     emit = lines.append
@@ -89,7 +91,14 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
     deferred_types: list[tuple[str, Any]] = []  # (local, expected type) for OBJ nodes
     deferred_lens: list[tuple[str, int]] = []
+    bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+
+    def tup(names: list[str]) -> str:
+        return "(" + "".join(f"{x}, " for x in names) + ")"
+
     for parent, i, r in _walk_order(gdef):
+        if parent in bulk:
+            continue
         expr = "root" if parent < 0 else child_expr[parent][i]
         q, m = divmod(r, 3)
         if m == 2:
@@ -116,6 +125,16 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 typ = "list" if kind == g.LIST else "tuple"
                 emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
                 child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+                leaf_qs = [c // 3 for c in refs if c % 3 == 0]
+                if n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
+                    if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+                        known = tup([f"l{c}" for c in leaf_qs])
+                        emit(f" if not all(map(is_, {v}, {known})): raise M")
+                        bulk.add(q)
+                    elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
+                        emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
+                        seen_leaf.update(leaf_qs)
+                        bulk.add(q)
             elif kind == g.DICT:
                 keys = const(meta, "K")
                 emit(f" if type({v}) is not dict or len({v}) != {n}: raise M")
@@ -145,9 +164,6 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 emit(f" if type({v}) is not View or ({v}.fn is not {fn} and not ({v}.fn == {fn})): raise M")
                 child_expr[q] = [f"{v}.source"]
 
-    def tup(names: list[str]) -> str:
-        return "(" + "".join(f"{x}, " for x in names) + ")"
-
     if deferred_types:
         types = const(tuple(t for _, t in deferred_types), "TYPES")
         emit(f" if tuple(map(type, {tup([v for v, _ in deferred_types])})) != {types}: raise M")
@@ -157,7 +173,9 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         values = const(tuple(static_values), "SV")
         stypes = const(tuple(type(x) for x in static_values), "ST")
         emit(f" sv = {tup(statics)}")
-        emit(f" if sv != {values} or tuple(map(type, sv)) != {stypes}: raise M")
+        # Equal values of another type (1 and True) differ; an identical object cannot.
+        retype = f"tuple(map(type, sv)) != {stypes}"
+        emit(f" if sv != {values} or (any(map(is_not, sv, {values})) and {retype}): raise M")
     emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
     emit(" if not AT.issuperset(map(type, out)): raise M")
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
