@@ -25,7 +25,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -52,6 +52,16 @@ _KIND_NAMES = ("list", "dict", "object", "dataclass", "tuple", "namedtuple", "py
 
 # Classification of a type (cached): array, static, a node kind, or unknown.
 _ARRAY, _STATIC, _UNKNOWN = "array", "static", "unknown"
+
+
+class ViewInfo(NamedTuple):
+    """A view of a graph: ``paths`` (its places), ``fn``, ``source`` (the first path of
+    its source) and ``leaf`` (the source's unique-array index, None for a view of a view)."""
+
+    paths: tuple[str, ...]
+    fn: Callable[[Any], Any]
+    source: str | None
+    leaf: int | None
 
 
 class GraphError(TypeError):
@@ -336,6 +346,42 @@ class GraphDef:
 
     def __repr__(self) -> str:
         return f"GraphDef(num_leaves={self.num_leaves}, num_nodes={self.num_nodes})"
+
+    # ------------------------------------------------ what the layers above may read
+    # Everything outside the core reads a GraphDef through these names only.
+
+    def leaf_paths(self) -> tuple[tuple[str, ...], ...]:
+        """For each unique array (in `flatten` order), the keystr paths of all its places,
+        in walk order. The root's own path is ``""``."""
+        return tuple(tuple(p) for p in place_paths(self).leaves)
+
+    def shared_node_paths(self) -> list[tuple[str, ...]]:
+        """The places of every container node reached from two or more places, in walk order."""
+        return [tuple(p) for p in place_paths(self).nodes if len(p) > 1]
+
+    def views(self) -> list[ViewInfo]:
+        """Every `View` of the graph: its places, its function and where its source sits."""
+        places = place_paths(self)
+        out = []
+        for j, (kind, meta, refs) in enumerate(self.records):
+            if kind == VIEW and places.nodes[j]:
+                q, m = divmod(refs[0], 3)
+                if m == 0:
+                    source, leaf = places.leaves[q][0], q
+                elif m == 1:
+                    source, leaf = places.nodes[q][0], None
+                else:
+                    source, leaf = None, None
+                out.append(ViewInfo(tuple(places.nodes[j]), meta, source, leaf))
+        return out
+
+    def place_leaves(self) -> tuple[tuple[str, int], ...]:
+        """Every array *place* in walk order (a tie counted at each of its places), as
+        ``(path, unique leaf index)``; places below a shared node are listed at every
+        place of that node. Raises `GraphError` on a reference cycle through arrays."""
+        tree_def, place_leaf = expand(self)
+        paths = place_paths(tree_def).leaves
+        return tuple((paths[k][0], i) for k, i in enumerate(place_leaf))
 
 
 def flatten(tree: Any) -> tuple[list, GraphDef]:
