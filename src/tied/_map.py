@@ -1,0 +1,175 @@
+"""`tied.map`: `jax.tree_util.tree_map` over the unique arrays of a graph, ties kept.
+
+The core walk finds the unique arrays (`flatten`); ``f`` runs once on each, and
+`unflatten` puts each result back at every place of its array. With ``is_leaf``,
+containers for which it holds are passed to ``f`` whole; their places are found
+from the GraphDef and read by path (see `_surgery`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._graph import GraphDef, flatten, unflatten
+from ._surgery import Places, get, put, split_path
+
+__all__ = ["map"]
+
+
+def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.tree_map
+    f: Callable[..., Any],
+    tree: Any,
+    *rest: Any,
+    with_path: bool = False,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Apply ``f`` to every unique array of ``tree``; the result keeps the structure and ties.
+
+    Like `jax.tree_util.tree_map`, but over the graph: ``f`` is called once per unique
+    array (however many places hold it), and its result stands at every place of that
+    array, one object. Arrays of every dtype are passed (filter inside ``f``). Static
+    values (numbers, strings, None, functions) are kept as they are. A `tied.View` keeps
+    its function and reads the mapped source.
+
+    Args:
+        f: called as ``f(x, *ys)``, or ``f(path, x, *ys)`` with ``with_path=True``.
+        tree: the model.
+        *rest: more models with ``tree``'s GraphDef (the same containers, statics and
+            ties) and arrays of the same shapes; ``ys`` are their arrays at the same places.
+        with_path: pass the keystr path of the array's first place (``''`` for the root).
+        is_leaf: a predicate asked of every container of the graph, parents first (not
+            of arrays or static values). A container for which it holds is passed to ``f``
+            whole, once however many places hold it, and the result stands at all its
+            places; nothing inside it is mapped. An array inside such a container that
+            is also held outside it (or inside another one) is an error, since the tie
+            would be cut. Containers that hold no arrays are kept as they are.
+
+    Returns:
+        A new model: ``tree``'s structure, ties and statics, with ``f``'s results.
+
+    Raises:
+        ValueError: a tree in ``rest`` differs from ``tree``; the message names the first
+            differing path. Or ``is_leaf`` would cut a tie.
+
+    Example:
+        >>> import jax.numpy as jnp, tied
+        >>> w = jnp.ones((2, 2))
+        >>> model = {"embed": w, "head": w, "bias": jnp.zeros(2)}
+        >>> calls = []
+        >>> half = tied.map(lambda x: calls.append(x) or x.astype(jnp.bfloat16), model)
+        >>> half["embed"] is half["head"], half["head"].dtype, len(calls)
+        (True, dtype(bfloat16), 2)
+        >>> ema = tied.map(lambda e, p: 0.9 * e + 0.1 * p, model, model)
+        >>> ema["embed"] is ema["head"]
+        True
+    """
+    leaves, gdef = flatten(tree)
+    others = []
+    for k, r in enumerate(rest):
+        r_leaves, r_gdef = flatten(r)
+        problem = _difference(gdef, leaves, r_gdef, r_leaves)
+        if problem is not None:
+            raise ValueError(
+                f"tied.map: rest[{k}] is not shaped and tied like the first tree: {problem}. "
+                "Every tree after the first needs the first's GraphDef (containers, static values "
+                "and ties) and arrays of the same shapes; make it from the first, e.g. "
+                "ema = tied.map(jnp.copy, model)."
+            )
+        others.append(r_leaves)
+    first = [ps[0] for ps in gdef.leaf_paths()] if with_path else [""] * len(leaves)
+
+    def call(path: str, x: Any, ys: list) -> Any:
+        return f(path, x, *ys) if with_path else f(x, *ys)
+
+    def mapped(i: int) -> Any:
+        return call(first[i], leaves[i], [o[i] for o in others])
+
+    if is_leaf is None:
+        return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
+    return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
+
+
+def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
+    places = Places(gdef)
+    # TODO core: `flatten(tree, is_leaf=...)` (such a container is an opaque, identity-
+    # tracked leaf of the walk) would make this read of containers by path unnecessary.
+    whole: dict[int, tuple[Any, list[tuple[str, ...]]]] = {}  # id -> (container, places)
+    covers: dict[tuple[str, ...], int] = {}  # place of such a container -> its id
+    for p in places.nodes:
+        steps = split_path(p)
+        if steps is None or any(steps[:k] in covers for k in range(len(steps) + 1)):
+            continue
+        obj = get(tree, steps)
+        if is_leaf(obj):
+            whole.setdefault(id(obj), (obj, []))[1].append(steps)
+            covers[steps] = id(obj)
+    if not whole:
+        return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
+    if () in covers:
+        return call("", tree, list(rest))
+
+    # For each unique array: {id of the container around a place (None: no such container):
+    # (that place, the container's place)}.
+    inside: dict[int, dict[Any, tuple[str, str]]] = {}
+    for p, i in places.leaf_of.items():
+        steps = split_path(p) or ()
+        around = next((steps[:k] for k in range(len(steps)) if steps[:k] in covers), None)
+        owner = None if around is None else covers[around]
+        inside.setdefault(i, {}).setdefault(owner, (p, "".join(around or ())))
+    new = list(leaves)
+    for i, owners in inside.items():
+        if len(owners) > 1:
+            (a, ca), (b, cb) = sorted(owners.values(), key=lambda v: not v[1])[:2]
+            also = f"inside the container at {cb or '<root>'}" if cb else "outside it"
+            raise ValueError(
+                f"tied.map: is_leaf holds for the container at {ca or '<root>'}, so f gets it "
+                f"whole, but the array at {a} is also at {b}, {also}: f would see the array "
+                "twice and the tie would be cut. Let is_leaf hold for a container that holds "
+                "every place of the array, or for none of them."
+            )
+        if None in owners:
+            new[i] = mapped(i)
+    out = unflatten(gdef, new)
+    for obj, where in whole.values():
+        result = call("".join(where[0]), obj, [get(r, where[0]) for r in rest])
+        for steps in where:
+            out = put(out, steps, result)
+    return out
+
+
+def _difference(ga: GraphDef, la: list, gb: GraphDef, lb: list) -> str | None:
+    """Where graph b first differs from graph a (walk order of a), or None if they agree
+    in GraphDef and array shapes."""
+    if ga == gb:
+        for (p, *_), x, y in zip(ga.leaf_paths(), la, lb):
+            if np.shape(x) != np.shape(y):
+                return f"{p or '<root>'} has shape {np.shape(y)}, expected {np.shape(x)}"
+        return None
+    pa, pb = Places(ga).leaf_of, Places(gb).leaf_of
+    for p in pa:
+        if p not in pb:
+            return f"{p or '<root>'} holds an array in the first tree but not here"
+    for p in pb:
+        if p not in pa:
+            return f"{p or '<root>'} holds an array here but not in the first tree"
+    a_to_b: dict[int, tuple[int, str]] = {}
+    b_to_a: dict[int, tuple[int, str]] = {}
+    for p, i in pa.items():
+        j = pb[p]
+        j0, q = a_to_b.setdefault(i, (j, p))
+        if j0 != j:
+            return f"{q} and {p} hold one array in the first tree but two different ones here"
+        i0, q = b_to_a.setdefault(j, (i, p))
+        if i0 != i:
+            return f"{q} and {p} hold one array here but two different ones in the first tree"
+        if np.shape(la[i]) != np.shape(lb[j]):
+            return f"{p or '<root>'} has shape {np.shape(lb[j])}, expected {np.shape(la[i])}"
+    na, nb = set(ga.shared_node_paths()), set(gb.shared_node_paths())
+    for group in ga.shared_node_paths() + gb.shared_node_paths():
+        if (group in na) != (group in nb):
+            where = "the first tree" if group in na else "here"
+            return f"the container at {group[0] or '<root>'} is shared by {', '.join(group)} only in {where}"
+    return "a container type or a static value (not an array) differs"
