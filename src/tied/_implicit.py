@@ -7,142 +7,34 @@ a function of no arguments that reaches the model through its closure, and
 returns a mapping from each parameter *object* to its total gradient.
 
 The closure sees traced values because `gradient` puts them, for the duration
-of the call, at every place of each parameter in the model's own containers,
-and always puts the original arrays back afterwards. Places are found from the
-`GraphDef` of the core walk; nothing here decides sharing.
+of the call, at every place of each parameter in the model's own containers
+(`tied._live`), and always puts the original arrays back afterwards. Nothing
+short of writing reaches a closure over the model: it may hold the model, a
+layer of it, or a global that does. So other threads wait: the writing happens
+under ``tied.live_lock``, which a thread that reads the model directly takes.
+Places are found from the `GraphDef` of the core walk; nothing here decides
+sharing.
 """
 
 from __future__ import annotations
 
 import numbers
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 
-from ._grad import _gradient_tree, is_param
-from ._graph import (
-    _KIND_NAMES,
-    DICT,
-    LIST,
-    OBJ,
-    SLOTS,
-    VIEW,
-    GraphDef,
-    GraphError,
-    _child_key,
-    _node_children,
-    flatten,
-    place_paths,
-)
+from ._grad import Trainable, _gradient_tree, is_param, trainable_mask
+from ._graph import GraphDef, GraphError, flatten
+from ._live import changed, check_written, lock, restore, slots, write
 from ._view import View
 
 __all__ = ["Params", "Grads", "params", "gradient"]
 
-# Implicit gradients write into the model; so does `tied.optim.update_inplace`.
-# One re-entrant lock serialises them, so two threads never interleave their
-# writes into one model (re-entrant: a `fun` may itself take a gradient).
-_lock = threading.RLock()
-
-
-# ---------------------------------------------------------------- places in a live model
-
-
-def _node_objects(model: Any, gdef: GraphDef) -> list:
-    """The live container object of every node record of ``gdef`` (a flatten of ``model``).
-
-    Records are numbered in first-seen order, so a node's first parent always
-    has a smaller number: one pass in that order reaches every node.
-    """
-    records = gdef.records
-    objs: list = [None] * len(records)
-    if gdef.root % 3 == 1:
-        objs[gdef.root // 3] = model
-    for j, (kind, _meta, refs) in enumerate(records):
-        children = None
-        for i, r in enumerate(refs):
-            if r % 3 == 1 and objs[r // 3] is None:
-                if children is None:
-                    children = _node_children(kind, objs[j])[0]
-                objs[r // 3] = children[i]
-    return objs
-
-
-def _is_frozen_dataclass(obj: Any) -> bool:
-    params = getattr(type(obj), "__dataclass_params__", None)
-    return bool(params is not None and params.frozen)
-
-
-def _setter(kind: int, meta: Any, obj: Any, i: int) -> Callable[[Any], None]:
-    if kind == LIST:
-        return lambda v: obj.__setitem__(i, v)
-    if kind == DICT:
-        key = meta[i]
-        return lambda v: obj.__setitem__(key, v)
-    if kind == OBJ:
-        name = meta[1][i]
-        d = obj.__dict__
-        return lambda v: d.__setitem__(name, v)
-    if kind == SLOTS:
-        name = meta[1][i]
-        return lambda v: object.__setattr__(obj, name, v)
-    # VIEW: the source slot of a tied.View
-    return lambda v: object.__setattr__(obj, "source", v)
-
-
-def _place_setters(
-    model: Any, gdef: GraphDef, which: list[int], *, action: str, frozen_ok: bool
-) -> list[list[Callable[[Any], None]]]:
-    """For each unique leaf in ``which``, one setter per place of it in ``model``.
-
-    Raises a `GraphError` naming the path of the first place that sits in a
-    container that cannot be written (a tuple, namedtuple, JAX-registered node,
-    or a frozen dataclass unless ``frozen_ok``), before anything is written.
-    """
-    if gdef.root % 3 == 0:
-        raise GraphError(
-            f"<root>: {action} writes the new arrays into the model's containers, but the "
-            "model is a bare array. Hold it in a container (a list, dict or registered class)."
-        )
-    wanted = {3 * q: n for n, q in enumerate(which)}
-    setters: list[list] = [[] for _ in which]
-    objs = _node_objects(model, gdef)
-    for j, (kind, meta, refs) in enumerate(gdef.records):
-        for i, r in enumerate(refs):
-            n = wanted.get(r)
-            if n is None:
-                continue
-            obj = objs[j]
-            blocked = kind not in (LIST, DICT, OBJ, SLOTS, VIEW) or (
-                not frozen_ok and kind in (OBJ, SLOTS) and _is_frozen_dataclass(obj)
-            )
-            if blocked:
-                path = (place_paths(gdef).nodes[j][0] or "") + _child_key(kind, meta, i, len(refs))
-                raise _immutable_error(path, kind, obj, action)
-            setters[n].append(_setter(kind, meta, obj, i))
-    return setters
-
-
-def _immutable_error(path: str, kind: int, obj: Any, action: str) -> GraphError:
-    what = "frozen dataclass" if kind in (OBJ, SLOTS) else _KIND_NAMES[kind]
-    if action == "tied.gradient":
-        fix = (
-            "Use explicit mode, which needs no writing: g = tied.grad(lambda m: loss(m))(model), "
-            "or hold the parameter in a mutable container (a list, dict, dataclass or a "
-            "class given to tied.register)."
-        )
-    else:
-        fix = (
-            "Use tied.optim.update, which returns a new model with every tie kept, or hold the "
-            "parameter in a mutable container (a list, dict, non-frozen dataclass or a class "
-            "given to tied.register)."
-        )
-    return GraphError(
-        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
-        f"but this parameter place is in a {what} ({type(obj).__name__}), which cannot be "
-        f"changed in place. Nothing was written. {fix}"
-    )
+# Old names, kept while tied.optim imports them from here: use tied._live.lock and
+# tied._live.slots.
+_lock = lock
+_place_setters = slots
 
 
 # ---------------------------------------------------------------- Params
@@ -151,28 +43,37 @@ def _immutable_error(path: str, kind: int, obj: Any, action: str) -> GraphError:
 class Params:
     """The unique trainable arrays of a model, in flatten order (implicit mode).
 
-    A live view of the model: every use reads the model again, so after
-    `tied.optim.update_inplace` it lists the new arrays. Membership is by
-    identity: ``d1.weight in ps`` holds when that very object is a parameter of
-    the model, however many places hold it.
+    A live view of the model: every use reads the model again (under
+    ``tied.live_lock``), so after `tied.optim.update_inplace` it lists the new
+    arrays. Membership is by identity: ``d1.weight in ps`` holds when that very
+    object is a trainable parameter of the model, however many places hold it.
 
     Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+        >>> d = Dense(w, b); c = Chain(d, d)     # one layer at two places
         >>> ps = tied.params(c)
-        >>> len(ps), d1.weight in ps          # weight and bias, once each
+        >>> len(ps), d.weight in ps               # weight and bias, once each
         (2, True)
-        >>> ps.paths(d1.weight)
+        >>> ps.paths(d.weight)
         ['.layers[0].weight', '.layers[1].weight']
     """
 
-    __slots__ = ("model",)
+    __slots__ = ("model", "trainable")
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, trainable: Trainable | None = None):
+        if trainable is not None and not callable(trainable):
+            raise TypeError(
+                f"tied.params(model, trainable=...): trainable takes a function (path, array) -> "
+                f"bool, got {type(trainable).__name__}. For example "
+                'trainable=lambda path, x: "running" not in path.'
+            )
         self.model = model
+        self.trainable = trainable
 
     def _read(self) -> tuple[list, GraphDef, list[int]]:
-        leaves, gdef = flatten(self.model)
-        return leaves, gdef, [i for i, x in enumerate(leaves) if is_param(x)]
+        with lock:
+            leaves, gdef = flatten(self.model)
+            mask = trainable_mask(gdef, leaves, self.trainable)
+        return leaves, gdef, [i for i, keep in enumerate(mask) if keep]
 
     def _arrays(self) -> list:
         leaves, _, train = self._read()
@@ -191,7 +92,12 @@ class Params:
         return any(p is x for p in self._arrays())
 
     def paths(self, array: Any) -> list[str]:
-        """Every place of ``array`` in the model (keystr paths, first-seen order).
+        """Every place of ``array`` in the model, as keystr paths in walk order.
+
+        A place below a shared node is listed at each place of that node: for
+        ``Chain(d, d)``, ``d.weight`` is at ``.layers[0].weight`` and
+        ``.layers[1].weight``. On a reference cycle, a reference back to a node
+        already entered above is not followed again.
 
         Raises:
             KeyError: ``array`` is not (by identity) a trainable array of the model.
@@ -199,18 +105,37 @@ class Params:
         leaves, gdef, train = self._read()
         for i in train:
             if leaves[i] is array:
-                return [p or "<root>" for p in place_paths(gdef).leaves[i]]
+                return [p or "<root>" for p, q in _array_places(gdef) if q == i]
+        if any(x is array for x in leaves) and is_param(array):
+            raise KeyError(
+                "this array is in the model, but trainable= rejects it at every one of its "
+                "places, so it is not one of the model's trainable parameters."
+            )
         raise KeyError(_not_a_param(array, "the model's parameters"))
 
     def __repr__(self) -> str:
         return f"Params({len(self)} unique trainable arrays)"
 
 
-def params(model: Any) -> Params:
+def _array_places(gdef: GraphDef) -> list[tuple[str, int]]:
+    """Every array place as ``(path, unique leaf index)``, a reference cycle cut where it
+    comes back to a node already entered above (TODO core: place_leaves raises there)."""
+    try:
+        return list(gdef.place_leaves())
+    except GraphError:
+        from ._inspect import unrolled_array_places
+
+        return unrolled_array_places(gdef)
+
+
+def params(model: Any, *, trainable: Trainable | None = None) -> Params:
     """The unique trainable arrays of ``model`` (inexact dtype), for implicit mode.
 
     Args:
         model: any object graph `tied.flatten` accepts.
+        trainable: ``(path, array) -> bool``; a parameter is trainable when it
+            holds at any of its places (keystr paths, ``""`` for the root).
+            Others are left out: `tied.gradient` treats them as constants.
 
     Returns:
         A `Params`: ``len``, iteration in flatten order, identity-based ``in``
@@ -221,8 +146,10 @@ def params(model: Any) -> Params:
         >>> ps = tied.params(c)
         >>> [len(ps.paths(p)) for p in ps]     # each tied array has two places
         [2, 2]
+        >>> len(tied.params(c, trainable=lambda path, x: x.ndim > 1))   # the weight only
+        1
     """
-    return Params(model)
+    return Params(model, trainable)
 
 
 def _not_a_param(key: Any, where: str) -> str:
@@ -270,7 +197,14 @@ class Grads(Mapping):
             raise ValueError(f"Grads: {len(keys)} keys but {len(values)} values.")
         self._keys = list(keys)
         self._values = list(values)
-        self._index = {id(k): n for n, k in enumerate(self._keys)}
+        self._index = {}
+        for n, k in enumerate(self._keys):
+            m = self._index.setdefault(id(k), n)
+            if m != n:
+                raise ValueError(
+                    f"Grads: keys {m} and {n} are the same object, so the parameter would have "
+                    "two gradients. Give each parameter once, with its total gradient."
+                )
 
     def _find(self, key: Any) -> int | None:
         n = self._index.get(id(key))
@@ -348,7 +282,8 @@ class Grads(Mapping):
             >>> g.layers[0].weight is g.layers[1].weight
             True
         """
-        leaves, gdef = flatten(model)
+        with lock:  # not while tied.gradient has traced values in the model
+            leaves, gdef = flatten(model)
         return _gradient_tree(gdef, [self._lookup(x) if is_param(x) else None for x in leaves])
 
     def __repr__(self) -> str:
@@ -364,16 +299,22 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
     ``fun`` reaches the model through its closure. For the duration of the call,
     each parameter's traced value stands at every place of it in the model's own
     containers; the original arrays are put back afterwards, always, also when
-    ``fun`` raises. A lock keeps two threads from writing into one model at once.
+    ``fun`` raises.
 
     ``fun`` must reach the parameters through the model (``params.model``): an
     array it captured directly, say ``w = model.layers[0].weight`` taken
     beforehand, is a constant to it. Works eagerly, inside `tied.jit`, and under
     ``jax.jit`` on a `tied.Graph` argument (``m = graph.value`` inside).
 
+    Threads: the call holds ``tied.live_lock`` from start to end. Another
+    thread's `tied.gradient`, `tied.params` or `tied.optim.update_inplace` waits
+    for it; a thread that reads the model directly (``model(x)``) must take the
+    lock too (``with tied.live_lock: y = model(x)``), or it may see traced
+    values. ``fun`` itself runs in the calling thread and may take gradients.
+
     Args:
         fun: returns a scalar loss; takes no arguments.
-        params: `tied.params(model)`.
+        params: `tied.params(model)` (with its ``trainable=``, if any).
 
     Returns:
         A `Grads`: ``gs[w]`` is the total gradient of parameter ``w``, equal to
@@ -382,7 +323,10 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
     Raises:
         GraphError: a parameter place is in a container that cannot be written
             (a tuple, namedtuple or JAX-registered node such as an Equinox
-            module); the message names the path. Use `tied.grad` there.
+            module; nothing is written); or ``fun`` assigned a new value to a
+            parameter place, which the end of the call would silently undo
+            (the original is put back). The message names the path. Use
+            `tied.grad` for immutable models.
 
     Example:
         >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
@@ -399,25 +343,41 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
         )
     if not callable(fun):
         raise TypeError(f"tied.gradient(fun, params): fun must be callable, got {fun!r}.")
-    with _lock:
+    with lock:
         model = params.model
-        leaves, gdef = flatten(model)
-        train = [i for i, x in enumerate(leaves) if is_param(x)]
-        setters = _place_setters(model, gdef, train, action="tied.gradient", frozen_ok=True)
+        leaves, gdef, train = params._read()
+        where = slots(model, gdef, train, action="tied.gradient", frozen_ok=True)
         originals = [leaves[i] for i in train]
 
-        def put(values: list) -> None:
-            for places, v in zip(setters, values):
-                for set_place in places:
-                    set_place(v)
-
         def f(values: list) -> Any:
-            put(values)
-            return fun()
+            values = list(values)
+            write(where, values)
+            expected = list(leaves)
+            for i, v in zip(train, values):
+                expected[i] = v
+            check_written(model, gdef, expected, where, why=_NOT_SEEN)
+            out = fun()
+            moved = changed(where, values)
+            if moved:
+                raise GraphError(
+                    f"{', '.join(s.path or '<root>' for s in moved)}: fun assigned a new value to "
+                    "this parameter place during tied.gradient. Implicit mode puts each "
+                    "parameter's array back at every place when the call ends, so the "
+                    "assignment would be undone silently; the original array is back. Change "
+                    "the model after tied.gradient returns (or use tied.grad with has_aux=True "
+                    "to return new values)."
+                )
+            return out
 
         try:
             grads = jax.grad(f)(originals)
         finally:
-            put(originals)
+            restore(where, originals, action="tied.gradient")
     return Grads(originals, grads)
 
+
+_NOT_SEEN = (
+    "tied.gradient put the parameter's traced value here, but a walk of the model does not "
+    "find it here afterwards, so fun would not see it and its gradient would be wrong. The "
+    "original arrays are back. Use explicit mode: tied.grad(lambda m: loss(m))(model)."
+)

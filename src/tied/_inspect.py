@@ -22,21 +22,9 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 
-from ._grad import is_param
-from ._graph import (
-    DICT,
-    LIST,
-    NAMEDTUPLE,
-    OBJ,
-    PYTREE,
-    SLOTS,
-    TUPLE,
-    VIEW,
-    GraphDef,
-    _child_key,
-    flatten,
-    place_paths,
-)
+from ._grad import Trainable, is_param, trainable_mask
+from ._graph import GraphDef, flatten
+from ._live import lock
 
 __all__ = ["param_count", "summary", "print_summary", "to_dot", "render_dot"]
 
@@ -58,64 +46,141 @@ def _fn_name(fn: Any) -> str:
     return f"partial({_fn_name(inner)})" if inner is not None else type(fn).__name__
 
 
-def _node_type(kind: int, meta: Any) -> str:
-    if kind == LIST:
-        return "list"
-    if kind == DICT:
-        return "dict"
-    if kind == TUPLE:
-        return "tuple"
-    if kind in (OBJ, SLOTS):
-        return meta[0].__name__
-    if kind == NAMEDTUPLE:
-        return meta.__name__
-    if kind == PYTREE:
-        return meta[0].__name__
-    if kind == VIEW:
-        return "View"
-    return "?"
-
-
 def _keystr(path: str) -> str:
     return path or "<root>"
+
+
+def _read(tree: Any) -> tuple[list, GraphDef]:
+    with lock:  # not while tied.gradient has traced values in the model
+        return flatten(tree)
+
+
+# ---------------------------------------------------------------- the DAG, from the one walk
+
+
+class _Dag:
+    """What `GraphDef.walk_places` says, indexed: each node's children, each object's first path.
+
+    Objects are ``("array", i)``, ``("static", k)`` or ``("node", j)`` with the
+    walk's indices. A node's children are recorded at its first place, in order,
+    as ``(object, key)`` where key is the child's keystr piece.
+    """
+
+    def __init__(self, gdef: GraphDef):
+        self.places = list(gdef.walk_places())
+        self.children: dict[int, list[tuple[tuple[str, int], str]]] = {}
+        self.node: dict[int, Any] = {}  # node index -> its first Place
+        self.first: dict[tuple[str, int], str] = {}
+        open_nodes: list[tuple[int, str]] = []  # (node, path) of the open nodes, by depth
+        for p in self.places:
+            obj = _obj(p)
+            if p.depth:
+                del open_nodes[p.depth :]
+                parent, parent_path = open_nodes[p.depth - 1]
+                self.children[parent].append((obj, p.path[len(parent_path) :]))
+            if p.first:
+                self.first.setdefault(obj, p.path)
+                if obj[0] == "node":
+                    self.node[p.index] = p
+                    self.children[p.index] = []
+                    open_nodes.append((p.index, p.path))
+        self.root = _obj(self.places[0])
+
+
+def _obj(p: Any) -> tuple[str, int]:
+    return (p.kind, p.index) if p.kind in ("array", "static") else ("node", p.index)
+
+
+def unrolled_array_places(gdef: GraphDef) -> list[tuple[str, int]]:
+    """Every array place as ``(path, unique leaf index)``, a shared node's contents at each
+    of its places, a reference back to a node already entered above not followed again."""
+    dag = _Dag(gdef)
+    kind, idx = dag.root
+    if kind != "node":
+        return [("", idx)] if kind == "array" else []
+    out: list[tuple[str, int]] = []
+    on_path = {idx}
+    stack: list[list] = [[idx, 0, ""]]  # [node, next child, path]
+    while stack:
+        frame = stack[-1]
+        j, i, path = frame
+        kids = dag.children[j]
+        if i == len(kids):
+            stack.pop()
+            on_path.discard(j)
+            continue
+        frame[1] = i + 1
+        (kind, c), key = kids[i]
+        if kind == "array":
+            out.append((path + key, c))
+        elif kind == "node" and c not in on_path:
+            on_path.add(c)
+            stack.append([c, 0, path + key])
+    return out
 
 
 # ---------------------------------------------------------------- counting
 
 
 class _Tally:
-    """Parameters and bytes per place of every node, memoised where no cycle is open."""
+    """Parameters and bytes per place under every node, memoised where no cycle is open.
 
-    def __init__(self, gdef: GraphDef, leaves: list):
-        self.gdef = gdef
-        self.leaf = [(_size(x) if is_param(x) else 0, _nbytes(x)) for x in leaves]
+    The tree unrolled from the DAG: a shared node counts at each place with all
+    below it; a reference back to a node open above counts nothing more.
+    Iterative (an explicit stack), so any depth.
+    """
+
+    def __init__(self, dag: _Dag, leaf: list[tuple[int, int]]):
+        self.dag = dag
+        self.leaf = leaf  # per unique array: (parameters, bytes) it counts at a place
         self.memo: dict[int, tuple[int, int]] = {}
-        self.open: set[int] = set()
 
-    def __call__(self, r: int) -> tuple[int, int, frozenset]:
-        q, m = divmod(r, 3)
-        if m == 0:
-            return (*self.leaf[q], frozenset())
-        if m == 2:
-            return 0, 0, frozenset()
-        if q in self.open:  # a reference back up a cycle: nothing new below it
-            return 0, 0, frozenset((q,))
-        if q in self.memo:
-            return (*self.memo[q], frozenset())
-        self.open.add(q)
-        params = nbytes = 0
-        back: frozenset = frozenset()
-        for c in self.gdef.records[q][2]:
-            p, b, cb = self(c)
-            params, nbytes, back = params + p, nbytes + b, back | cb
-        self.open.discard(q)
-        back = back - {q}
-        if not back:
-            self.memo[q] = (params, nbytes)
-        return params, nbytes, back
+    def __call__(self, obj: tuple[str, int]) -> tuple[int, int]:
+        kind, idx = obj
+        if kind == "array":
+            return self.leaf[idx]
+        if kind == "static":
+            return 0, 0
+        if idx in self.memo:
+            return self.memo[idx]
+        memo, children, leaf = self.memo, self.dag.children, self.leaf
+        open_nodes = {idx}
+        # A frame: [node, next child, parameters, bytes, open nodes referred back to].
+        stack: list[list] = [[idx, 0, 0, 0, set()]]
+        while True:
+            frame = stack[-1]
+            j, i = frame[0], frame[1]
+            kids = children[j]
+            if i < len(kids):
+                frame[1] = i + 1
+                kind, c = kids[i][0]
+                if kind == "array":
+                    frame[2] += leaf[c][0]
+                    frame[3] += leaf[c][1]
+                elif kind == "node":
+                    if c in open_nodes:  # a reference back up a cycle: nothing new below
+                        frame[4].add(c)
+                    elif c in memo:
+                        frame[2] += memo[c][0]
+                        frame[3] += memo[c][1]
+                    else:
+                        open_nodes.add(c)
+                        stack.append([c, 0, 0, 0, set()])
+                continue
+            stack.pop()
+            open_nodes.discard(j)
+            back = frame[4] - {j}
+            if not back:
+                memo[j] = (frame[2], frame[3])
+            if not stack:
+                return frame[2], frame[3]
+            parent = stack[-1]
+            parent[2] += frame[2]
+            parent[3] += frame[3]
+            parent[4] |= back
 
 
-def param_count(tree: Any, per_place: bool = False) -> int:
+def param_count(tree: Any, per_place: bool = False, *, trainable: Trainable | None = None) -> int:
     """The number of parameters (elements of inexact-dtype arrays), each shared array counted once.
 
     Args:
@@ -124,6 +189,9 @@ def param_count(tree: Any, per_place: bool = False) -> int:
             times, a shared node's parameters at each of its places, a view's
             place the size of its source. What summing ``numel()`` over places
             gives; the difference to the default is what the ties save.
+        trainable: ``(path, array) -> bool``: count only the parameters for which
+            it holds at one or more of their places (as `tied.params` and
+            `tied.grad` decide); with ``per_place``, each of their places.
 
     Returns:
         The count. Integer and boolean arrays are not parameters and count 0;
@@ -134,11 +202,16 @@ def param_count(tree: Any, per_place: bool = False) -> int:
         >>> model = Chain(d1, Dense(d1.weight, d1.bias))
         >>> tied.param_count(model), tied.param_count(model, per_place=True)
         (6, 12)
+        >>> tied.param_count(model, trainable=lambda path, x: path.endswith("bias"))
+        2
     """
-    leaves, gdef = flatten(tree)
+    leaves, gdef = _read(tree)
+    mask = trainable_mask(gdef, leaves, trainable)
     if not per_place:
-        return sum(_size(x) for x in leaves if is_param(x))
-    return _Tally(gdef, leaves)(gdef.root)[0]
+        return sum(_size(x) for x, keep in zip(leaves, mask) if keep)
+    leaf = [(_size(x) if keep else 0, 0) for x, keep in zip(leaves, mask)]
+    dag = _Dag(gdef)
+    return _Tally(dag, leaf)(dag.root)[0]
 
 
 # ---------------------------------------------------------------- summary
@@ -155,84 +228,74 @@ class _Row:
 
 
 def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
-    leaves, gdef = flatten(tree)
-    places = place_paths(gdef)
-    tally = _Tally(gdef, leaves)
-    records = gdef.records
+    leaves, gdef = _read(tree)
+    dag = _Dag(gdef)
+    tally = _Tally(dag, [(_size(x) if is_param(x) else 0, _nbytes(x)) for x in leaves])
     rows: list[_Row] = []
-    seen: set[int] = set()
-    open_nodes: list[int] = []
-
-    def first(r: int) -> str:
-        q, m = divmod(r, 3)
-        return _keystr((places.leaves[q] if m == 0 else places.nodes[q])[0])
 
     def array_row(path: str, x: Any, note: str) -> _Row:
         kind = "Array" if isinstance(x, jax.Array) else type(x).__name__
         params = _size(x) if is_param(x) else 0
         return _Row(_keystr(path), kind, str(tuple(x.shape)), np.dtype(x.dtype).name, params, note)
 
-    def view_row(path: str, q: int) -> _Row:
-        fn = records[q][1]
-        src_ref = records[q][2][0]
+    def view_row(path: str, j: int) -> _Row:
+        fn = dag.node[j].value
+        src, _ = dag.children[j][0]
         shape = dtype = "?"
-        params = 0
-        if src_ref % 3 == 0:
-            src = leaves[src_ref // 3]
-            params = _size(src) if is_param(src) else 0
+        if src[0] == "array":
+            x = leaves[src[1]]
+            params = _size(x) if is_param(x) else 0
             try:
-                out = jax.eval_shape(fn, jax.ShapeDtypeStruct(src.shape, src.dtype))
+                out = jax.eval_shape(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))
                 shape, dtype = str(tuple(out.shape)), np.dtype(out.dtype).name
             except Exception:  # a function eval_shape cannot trace: show what we know
                 pass
         else:
-            params = tally(src_ref)[0]
-        return _Row(_keystr(path), "View", shape, dtype, params, f"{_fn_name(fn)} of {first(src_ref)}")
+            params = tally(src)[0]
+        return _Row(_keystr(path), "View", shape, dtype, params, f"{_fn_name(fn)} of {first(src)}")
 
-    def visit(r: int, path: str) -> None:
-        q, m = divmod(r, 3)
-        if m == 2:
-            return
-        if r in seen:
-            if m == 0:
-                rows.append(array_row(path, leaves[q], f"tied to {first(r)}"))
-            elif q in open_nodes:
-                note = f"tied to {first(r)} (reference cycle)"
-                rows.append(_Row(_keystr(path), _node_type(*records[q][:2]), "", "", 0, note))
-            elif records[q][0] == VIEW:
-                row = view_row(path, q)
-                row.note += f", tied to {first(r)}"
+    def first(obj: tuple[str, int]) -> str:
+        return _keystr(dag.first[obj])
+
+    open_nodes: list[int] = []  # the nodes above the current place, by depth
+    under_view: list[bool] = []
+    for p in dag.places:
+        del open_nodes[p.depth :]
+        del under_view[p.depth :]
+        obj = _obj(p)
+        if p.kind == "static":
+            continue
+        # A view's source is shown under the view only where the source is first met.
+        if p.depth and under_view[p.depth - 1] and not p.first:
+            continue
+        if p.kind == "array":
+            x = leaves[p.index]
+            rows.append(array_row(p.path, x, "" if p.first else f"tied to {first(obj)}"))
+            continue
+        if not p.first:
+            if p.index in open_nodes:
+                note = f"tied to {first(obj)} (reference cycle)"
+                rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", 0, note))
+            elif p.kind == "view":
+                row = view_row(p.path, p.index)
+                row.note += f", tied to {first(obj)}"
                 rows.append(row)
             else:
-                rows.append(
-                    _Row(
-                        _keystr(path), _node_type(*records[q][:2]), "", "", tally(r)[0], f"tied to {first(r)}"
-                    )
-                )
-            return
-        seen.add(r)
-        if m == 0:
-            rows.append(array_row(path, leaves[q], ""))
-            return
-        kind, meta, refs = records[q]
-        if kind == VIEW:
-            rows.append(view_row(path, q))
-            # The source's place under the view is shown only where the source is first met.
-            if refs[0] not in seen:
-                visit(refs[0], path + _child_key(kind, meta, 0, 1))
-            return
-        rows.append(_Row(_keystr(path), _node_type(kind, meta), "", "", tally(r)[0], ""))
-        open_nodes.append(q)
-        for i, c in enumerate(refs):
-            visit(c, path + _child_key(kind, meta, i, len(refs)))
-        open_nodes.pop()
-
-    visit(gdef.root, "")
+                note = f"tied to {first(obj)}"
+                rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", tally(obj)[0], note))
+            continue
+        if p.kind == "view":
+            rows.append(view_row(p.path, p.index))
+        else:
+            rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", tally(obj)[0], ""))
+        open_nodes.append(p.index)
+        under_view.append(p.kind == "view")
+    per_place = tally(dag.root)
     totals = {
         "params": sum(_size(x) for x in leaves if is_param(x)),
-        "params_per_place": tally(gdef.root)[0],
+        "params_per_place": per_place[0],
         "bytes": sum(_nbytes(x) for x in leaves),
-        "bytes_per_place": tally(gdef.root)[1],
+        "bytes_per_place": per_place[1],
         "arrays": len(leaves),
     }
     return rows, totals
@@ -343,35 +406,34 @@ def to_dot(tree: Any) -> str:
         >>> dot.count("->")      # Chain->list, list->d1, list->d2, and 2 x (weight, bias)
         7
     """
-    leaves, gdef = flatten(tree)
-    places = place_paths(gdef)
-    records = gdef.records
+    leaves, gdef = _read(tree)
+    dag = _Dag(gdef)
 
-    def target(r: int) -> tuple[int, list[str]]:
-        """Follow views down to what they finally show: (ref, functions applied, innermost first)."""
+    def is_view(obj: tuple[str, int]) -> bool:
+        return obj[0] == "node" and dag.node[obj[1]].kind == "view"
+
+    def target(obj: tuple[str, int]) -> tuple[tuple[str, int], list[str]]:
+        """Follow views down to what they finally show: (object, functions applied, innermost first)."""
         fns: list[str] = []
-        while r % 3 == 1 and records[r // 3][0] == VIEW and r != gdef.root:
-            fns.append(_fn_name(records[r // 3][1]))
-            r = records[r // 3][2][0]
-        return r, fns[::-1]
+        while is_view(obj) and obj != dag.root:
+            fns.append(_fn_name(dag.node[obj[1]].value))
+            obj = dag.children[obj[1]][0][0]
+        return obj, fns[::-1]
 
-    def name(r: int) -> str:
-        q, m = divmod(r, 3)
-        return f"a{q}" if m == 0 else f"n{q}"
+    def name(obj: tuple[str, int]) -> str:
+        return f"a{obj[1]}" if obj[0] == "array" else f"n{obj[1]}"
 
-    edges: list[tuple[int, int, str, bool]] = []
-    indegree: dict[int, int] = {}
-    drawn: set[int] = set()
-    for j, (kind, meta, refs) in enumerate(records):
-        if kind == VIEW and 3 * j + 1 != gdef.root:
+    edges: list[tuple[tuple[str, int], tuple[str, int], str, bool]] = []
+    indegree: dict[tuple[str, int], int] = {}
+    drawn: set[tuple[str, int]] = set()
+    for j in sorted(dag.children):
+        node = ("node", j)
+        if is_view(node) and node != dag.root:
             continue
-        drawn.add(3 * j + 1)
-        for i, c in enumerate(refs):
-            if c % 3 == 2:
-                continue
-            key = _child_key(kind, meta, i, len(refs))
-            t, fns = target(c)
-            if t % 3 == 2:
+        drawn.add(node)
+        for child, key in dag.children[j]:
+            t, fns = target(child)
+            if t[0] == "static":
                 continue
             label = key
             if fns:
@@ -379,11 +441,11 @@ def to_dot(tree: Any) -> str:
                 for f in fns:
                     inner = f"{f}({inner})"
                 label = f"{key} = {inner}"
-            edges.append((3 * j + 1, t, label, bool(fns)))
+            edges.append((node, t, label, bool(fns)))
             indegree[t] = indegree.get(t, 0) + 1
             drawn.add(t)
-    if gdef.root % 3 == 0:
-        drawn.add(gdef.root)
+    if dag.root[0] == "array":
+        drawn.add(dag.root)
 
     lines = [
         "digraph tied {",
@@ -391,23 +453,20 @@ def to_dot(tree: Any) -> str:
         '  node [fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=9];',
     ]
-    for r in sorted(drawn, key=lambda r: (r % 3, r // 3)):
-        q, m = divmod(r, 3)
-        shared = indegree.get(r, 0) > 1
+    for obj in sorted(drawn, key=lambda o: (o[0] != "array", o[1])):
+        shared = indegree.get(obj, 0) > 1
         style = ', color="#c0392b", penwidth=2' if shared else ""
-        if m == 0:
-            x = leaves[q]
+        if obj[0] == "array":
+            x = leaves[obj[1]]
             shape = ", ".join(str(d) for d in x.shape)
-            label = f"{np.dtype(x.dtype).name}[{shape}]\n{_keystr(places.leaves[q][0])}"
-            lines.append(f"  {name(r)} [label={_q(label)}, shape=ellipse{style}];")
+            label = f"{np.dtype(x.dtype).name}[{shape}]\n{_keystr(dag.first[obj])}"
+            lines.append(f"  {name(obj)} [label={_q(label)}, shape=ellipse{style}];")
         else:
-            kind, meta, _ = records[q]
-            label = _node_type(kind, meta)
-            if kind == VIEW:
-                label = f"View {_fn_name(meta)}"
-            lines.append(f"  {name(r)} [label={_q(label)}, shape=box{style}];")
-    for src, dst, label, is_view in edges:
-        style = ", style=dashed" if is_view else ""
+            p = dag.node[obj[1]]
+            label = f"View {_fn_name(p.value)}" if p.kind == "view" else p.type.__name__
+            lines.append(f"  {name(obj)} [label={_q(label)}, shape=box{style}];")
+    for src, dst, label, view_edge in edges:
+        style = ", style=dashed" if view_edge else ""
         lines.append(f"  {name(src)} -> {name(dst)} [label={_q(label)}{style}];")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,276 @@
+"""Writing into live models: new values at every place of a parameter, in the user's own objects.
+
+Everything else in `tied` builds new objects. Two features write into the
+objects the user holds: implicit mode (`tied.gradient` puts traced values at
+every place of each parameter for the duration of a call, then the original
+arrays back) and `tied.optim.update_inplace` (puts the updated arrays in for
+good). Both go through `slots`, which finds every place of the chosen unique
+arrays in the live model, from the `GraphDef` of a `flatten` of it, and refuses
+a place that cannot be written, naming its path, before anything is written.
+
+Threads. While tied writes into a model, other threads that read it see what
+is written: traced values during `tied.gradient`, a half-updated tie during
+`update_inplace`. Every write happens under one re-entrant lock, `lock` (public
+as ``tied.live_lock``); `Params`, `Grads.to_tree` and the writers take it, and
+a thread that reads a model directly (a forward pass, a save) while another
+may be writing into it takes it too::
+
+    with tied.live_lock:
+        y = model(x)      # never sees a traced value or a half-written tie
+
+Re-entrant: ``fun`` in `tied.gradient` may itself take a gradient or read
+`tied.params`. A lock per model is not enough, since two models may share a
+layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._graph import KINDS, GraphDef, GraphError, Kind, flatten
+
+__all__ = ["lock", "Slot", "slots", "write", "restore", "check_written", "changed"]
+
+lock = threading.RLock()
+
+
+class Slot:
+    """One place of an array in a live model: the container object and the child's position.
+
+    Calling a slot writes a value there (so a list of slots is a list of setters).
+    """
+
+    __slots__ = ("path", "_set", "_obj", "_kind", "_meta", "_i")
+
+    def __init__(self, path: str, kind: Kind, meta: Any, obj: Any, i: int):
+        self.path = path
+        self._kind, self._meta, self._obj, self._i = kind, meta, obj, i
+        self._set = kind.setter(meta, obj, i)
+
+    def __call__(self, value: Any) -> None:
+        self._set(value)
+
+    def get(self, cache: dict | None = None) -> Any:
+        """What the place holds now, or `CHANGED` if the container no longer has this
+        child where it was (a key removed, a list shortened, a field deleted). ``cache``
+        keeps each container's children for the slots that share it."""
+        read = cache.get(id(self._obj)) if cache is not None else None
+        if read is None:
+            try:
+                read = self._kind.children(self._obj)
+            except Exception:
+                read = ((), CHANGED)
+            if cache is not None:
+                cache[id(self._obj)] = read
+        children, meta = read
+        if meta is CHANGED or meta != self._meta or self._i >= len(children):
+            return CHANGED
+        return children[self._i]
+
+
+class _Changed:
+    def __repr__(self) -> str:
+        return "<place changed>"
+
+
+CHANGED = _Changed()
+
+
+# ---------------------------------------------------------------- finding the places
+# TODO core: the one reader of node kinds here. It needs, by name, the node kind of a
+# walk_places() kind name (its children of a live object, `writable`, `setter`).
+_KIND_BY_NAME = {kind.name: kind for kind in KINDS}
+
+
+def _writable(kind: Kind) -> bool:
+    # TODO core: a View's source slot is written with object.__setattr__ (its setter);
+    # the view kind should say writable = True.
+    return kind.writable or kind.name == "view"
+
+
+def _is_frozen_dataclass(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+def slots(
+    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool
+) -> list[list[Slot]]:
+    """For each unique array index in ``which``, a `Slot` for every place of it in ``model``.
+
+    ``gdef`` is the GraphDef of a `flatten` of ``model`` taken just before (under
+    `lock`). Places are those of `GraphDef.walk_places`: every (container, child)
+    pair, so a place below a shared node is one slot (writing it reaches all the
+    node's places).
+
+    Raises:
+        GraphError: before anything is written, naming the path of the first
+            place that cannot be written: the model is a bare array; the place
+            is in a tuple, namedtuple or JAX pytree node (an Equinox module); it
+            is in a frozen dataclass (unless ``frozen_ok``); or its container is
+            made anew each time the model is walked (a pytree whose flatten
+            builds a list), so writing into it would not reach the model.
+    """
+    wanted = {q: n for n, q in enumerate(which)}
+    out: list[list[Slot]] = [[] for _ in which]
+    if not wanted:
+        return out
+    # walk_places yields a node's children right after its first place, so a stack of
+    # the open nodes, by depth, says each place's container and position in it.
+    open_nodes: list[_Open] = []
+    for place in gdef.walk_places():
+        depth = place.depth
+        if depth == 0:
+            obj, transient = model, False
+            if place.kind == "array" and place.index in wanted:
+                raise GraphError(
+                    f"<root>: {action} writes new arrays into the model's containers, but the "
+                    "model is a bare array. Hold it in a container (a list, dict or "
+                    "registered class)."
+                )
+        else:
+            del open_nodes[depth:]
+            node = open_nodes[depth - 1]
+            i = node.next
+            node.next = i + 1
+            obj = node.children[i]
+            transient = node.remade is not None and node.remade[i]
+            if place.kind == "array" and place.index in wanted:
+                kind = node.kind
+                if not _writable(kind) or (
+                    not frozen_ok and kind.name in ("object", "dataclass") and _is_frozen_dataclass(node.obj)
+                ):
+                    raise _immutable_error(place.path, kind, node.obj, action)
+                if node.transient:
+                    raise _transient_error(place.path, node.obj, action)
+                out[wanted[place.index]].append(Slot(place.path, kind, node.meta, node.obj, i))
+                continue
+        if place.kind in ("array", "static") or not place.first:
+            continue
+        open_nodes.append(_Open(obj, _KIND_BY_NAME[place.kind], transient))
+    return out
+
+
+class _Open:
+    """A node whose children the walk is visiting: the live object and its live children."""
+
+    __slots__ = ("obj", "kind", "children", "meta", "next", "remade", "transient")
+
+    def __init__(self, obj: Any, kind: Kind, transient: bool):
+        self.obj, self.kind, self.transient, self.next = obj, kind, transient, 0
+        self.children, self.meta = kind.children(obj)
+        # A kind that cannot be written may make its children on the fly (a pytree's
+        # flatten): a child that is not the same object on a second call is made anew.
+        self.remade = None
+        if not _writable(kind):
+            again = kind.children(obj)[0]
+            self.remade = [a is not b for a, b in zip(self.children, again)]
+
+
+def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError:
+    what = "frozen dataclass" if _writable(kind) else kind.name
+    if action == "tied.gradient":
+        fix = (
+            "Use explicit mode, which needs no writing: g = tied.grad(lambda m: loss(m))(model), "
+            "or hold the parameter in a mutable container (a list, dict, dataclass or a "
+            "class given to tied.register)."
+        )
+    else:
+        fix = (
+            "Use tied.optim.update, which returns a new model with every tie kept, or hold the "
+            "parameter in a mutable container (a list, dict, non-frozen dataclass or a class "
+            "given to tied.register)."
+        )
+    return GraphError(
+        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"but this parameter place is in a {what} ({type(obj).__name__}), which cannot be "
+        f"changed in place. Nothing was written. {fix}"
+    )
+
+
+def _transient_error(path: str, obj: Any, action: str) -> GraphError:
+    return GraphError(
+        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"but the {type(obj).__name__} holding this parameter place is made anew each time "
+        "the model is walked (the flatten of the JAX pytree node above it builds it), so a "
+        "write into it would not reach the model. Nothing was written. Use tied.grad and "
+        "tied.optim.update, which build a new model, or let the pytree's flatten return the "
+        "container it stores."
+    )
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write(places: list[list[Callable[[Any], None]]], values: Sequence[Any]) -> None:
+    """Put ``values[n]`` at every place in ``places[n]``."""
+    for at, v in zip(places, values):
+        for set_place in at:
+            set_place(v)
+
+
+def restore(places: list[list[Slot]], values: Sequence[Any], *, action: str) -> None:
+    """Put ``values`` back at every place, trying every place even if some fail.
+
+    Raises:
+        GraphError: naming each place that could not be written back (the model
+            was changed there while ``action`` ran), after all others were.
+    """
+    failed: list[str] = []
+    first: BaseException | None = None
+    for at, v in zip(places, values):
+        for slot in at:
+            try:
+                slot(v)
+            except Exception as e:
+                failed.append(slot.path or "<root>")
+                first = first or e
+    if failed:
+        raise GraphError(
+            f"{', '.join(failed)}: {action} could not put the original array back here "
+            f"({type(first).__name__}: {first}); the container was changed while it ran. "
+            "Those places may still hold traced values: assign arrays to them."
+        ) from first
+
+
+def check_written(
+    model: Any, gdef: GraphDef, expected: list, places: list[list[Slot]], *, why: str
+) -> None:
+    """Check that a walk of ``model`` now finds ``expected`` (by identity) with ``gdef``.
+
+    For writes that every reader of the model must see. Raises a `GraphError`
+    naming the first place that does not show what was written, followed by
+    ``why`` (what that means to the caller).
+    """
+    leaves, now = flatten(model)
+    if now == gdef and len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected)):
+        return
+    by_id = {id(x): k for k, x in enumerate(expected)}
+    shown: dict[int, set[str]] = {}
+    for x, paths in zip(leaves, now.leaf_paths()):
+        k = by_id.get(id(x))
+        if k is not None and expected[k] is x:
+            shown.setdefault(k, set()).update(paths)
+    cache: dict = {}
+    for at in places:
+        for slot in at:
+            k = by_id.get(id(slot.get(cache)))
+            if k is None or slot.path not in shown.get(k, ()):
+                raise GraphError(f"{slot.path or '<root>'}: {why}")
+    for k, (x, paths) in enumerate(zip(leaves, now.leaf_paths())):
+        if k >= len(expected) or x is not expected[k]:
+            raise GraphError(f"{paths[0] or '<root>'}: {why}")
+    raise GraphError(f"<root>: {why}")
+
+
+def changed(places: list[list[Slot]], values: Sequence[Any]) -> list[Slot]:
+    """The places that no longer hold what was written there (``values[n]`` for ``places[n]``)."""
+    out = []
+    cache: dict = {}  # containers stay alive in their slots, so their ids stay unique
+    for at, v in zip(places, values):
+        for slot in at:
+            if slot.get(cache) is not v:
+                out.append(slot)
+    return out
