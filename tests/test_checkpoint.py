@@ -8,9 +8,14 @@ library's own (Rust) parser.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import zlib
 from typing import NamedTuple
 
 import equinox as eqx
@@ -22,7 +27,7 @@ import optax
 import pytest
 import safetensors
 import safetensors.numpy
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tied
@@ -650,3 +655,415 @@ def test_view_function_names_are_stable(tmp_path):
     like = {"w": z, "rolled": tied.view(z, functools.partial(jnp.roll, shift=1))}
     back = tied.load(f, like=like)
     assert back["rolled"].source is back["w"] and same_bits(back["w"], w)
+
+
+# ---------------------------------------------------------------- the call forms and formats
+
+
+def test_metadata_is_positional_or_keyword_and_format_is_checked(tmp_path):
+    f = tmp_path / "m.safetensors"
+    tied.save(f, seed_model(), {"step": 1})
+    assert tied.load_metadata(f) == {"step": 1}
+    tied.save(f, seed_model(), metadata={"step": 2}, format="safetensors")
+    assert tied.load_metadata(f) == {"step": 2}
+    back = tied.load(f, seed_model(1))  # like positional too
+    assert same_bits(back.layers[1].weight, seed_model().layers[0].weight)
+    with pytest.raises(tied.CheckpointError, match=r"format='npz'.*'safetensors', 'orbax'"):
+        tied.save(f, seed_model(), format="npz")
+    with pytest.raises(tied.CheckpointError, match=r"rename=.*pass strict=False"):
+        tied.load(f, seed_model(), rename={"a": ".b"})
+
+
+def test_an_array_split_over_processes_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """One process cannot write an array it cannot read whole: the error says format='orbax'."""
+    x = jnp.ones((2, 2))
+
+    class Remote(np.ndarray):  # stands in for a jax.Array whose shards live on other hosts
+        is_fully_addressable = False
+
+    monkeypatch.setattr(_safetensors.jax, "Array", (jax.Array, Remote))
+    f = tmp_path / "r.safetensors"
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"\['emb'\]: this array is split over several processes .* Pass format='orbax'",
+    ):
+        tied.save(f, {"w": x, "emb": np.zeros((3, 2), np.float32).view(Remote)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_abstract_tree_is_not_saved(tmp_path):
+    with pytest.raises(tied.CheckpointError, match=r"\['w'\]: a jax.ShapeDtypeStruct describes an array"):
+        tied.save(tmp_path / "a.safetensors", {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- abstract `like`
+
+
+def abstract(tree):
+    """``tree`` with a ShapeDtypeStruct for each unique array, ties kept (one struct per array)."""
+    leaves, gdef = tied.flatten(tree)
+    return tied.unflatten(gdef, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
+
+
+def test_load_into_shape_dtype_structs(tmp_path):
+    src = every_kind(0)
+    f = tmp_path / "m.safetensors"
+    tied.save(f, src)
+    like = every_kind(1)
+    like["frozen"] = FrozenDC(np.zeros((2, 2)))  # float64: JAX would hold it only with x64, so numpy here
+    leaves, gdef = tied.flatten(like)
+    like = tied.unflatten(
+        gdef, [x if isinstance(x, np.ndarray) else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    )
+    assert tied.ties(like) == tied.ties(src)
+    back = tied.load(f, like)
+    check_every_kind(back, src)
+    assert isinstance(back["dense"].weight, jax.Array) and not back["dense"].weight.committed
+
+
+def test_load_onto_the_sharding_of_a_shape_dtype_struct(tmp_path):
+    m = seed_model()
+    f = tmp_path / "s.safetensors"
+    tied.save(f, m)
+    dev = jax.devices()[-1]
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+
+    def like(w_shape=(2, 2), tie=True):
+        w = jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=sharding)
+        b = jax.ShapeDtypeStruct((2,), jnp.float32)
+        if tie:
+            return tied.unflatten(tied.flatten(m)[1], [w, b])
+        d = Dense(jnp.ones((2, 2)), jnp.ones(2))
+        _, gdef = tied.flatten(Chain(d, Dense(jnp.ones((2, 2)), d.bias)))
+        return tied.unflatten(gdef, [w, b, jax.ShapeDtypeStruct(w_shape, jnp.float32)])
+
+    back = tied.load(f, like())
+    assert back.layers[0].weight is back.layers[1].weight
+    assert back.layers[0].weight.committed and back.layers[0].weight.sharding == sharding
+    assert not back.layers[0].bias.committed
+    assert same_bits(back.layers[0].weight, m.layers[0].weight)
+    with pytest.raises(tied.CheckpointError, match=r"shape differs at \.layers\[0\]\.weight.*has \(3, 2\)"):
+        tied.load(f, like((3, 2)))
+    with pytest.raises(tied.CheckpointError, match=r"sharing differs at \.layers\[0\]\.weight"):
+        tied.load(f, like(tie=False))
+
+
+def test_a_64_bit_shape_dtype_struct_says_what_to_do(tmp_path):
+    f = tmp_path / "i.safetensors"
+    tied.save(f, {"n": np.arange(3, dtype=np.int64)})
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on")
+    with pytest.raises(tied.CheckpointError, match=r"int64 at \['n'\].*only with jax_enable_x64"):
+        tied.load(f, {"n": jax.ShapeDtypeStruct((3,), np.int64)})
+
+
+# ---------------------------------------------------------------- issue 10, finding 10
+
+
+@pytest.mark.parametrize("dt", [">f4", ">i8", ">f8", ">c8", ">u2"])
+def test_big_endian_arrays_are_stored_little_endian(tmp_path, dt):
+    x = np.arange(6).astype(dt).reshape(2, 3) * 3 - 1
+    f = tmp_path / "be.safetensors"
+    tied.save(f, {"x": x, "again": x})
+    back = tied.load(f, {"x": x, "again": x})
+    assert back["x"] is back["again"] and back["x"].dtype.isnative
+    np.testing.assert_array_equal(back["x"], x)  # values, whatever the byte order
+    ref = safetensors.numpy.load_file(f)["['again']"]  # the reference reader agrees on the values
+    np.testing.assert_array_equal(ref, x)
+    if jax.dtypes.canonicalize_dtype(np.dtype(dt)) == np.dtype(dt).newbyteorder("="):
+        j = tied.load(f, {"x": jnp.zeros(x.shape, x.dtype.newbyteorder("=")), "again": None} | {})
+        np.testing.assert_array_equal(np.asarray(j["x"]), x)
+
+
+@tied.register
+class Odd:
+    """A model with an attribute whose name holds a dot, beside a layer of the same keystr."""
+
+    def __init__(self, first_odd, w, v):
+        if first_odd:
+            setattr(self, "encoder.weight", w)
+            self.encoder = Dense(v, None)
+        else:
+            self.encoder = Dense(v, None)
+            setattr(self, "encoder.weight", w)
+
+
+def test_an_attribute_named_like_a_path_saves_and_loads(tmp_path):
+    w, v = jnp.arange(4.0).reshape(2, 2), -jnp.arange(4.0).reshape(2, 2)
+    f = tmp_path / "odd.safetensors"
+    for first_odd in (True, False):
+        tied.save(f, Odd(first_odd, w, v))
+        back = tied.load(f, Odd(first_odd, jnp.zeros((2, 2)), jnp.zeros((2, 2))))
+        assert same_bits(getattr(back, "encoder.weight"), w) and same_bits(back.encoder.weight, v)
+        names = sorted(safetensors.numpy.load_file(f))
+        assert len(names) == 2 and len(set(names)) == 2  # two tensors, two names
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="keystr writes the attribute 'encoder.weight' and encoder's weight alike; until the core's "
+    "paths tell them apart, two such places are paired in walk order",
+)
+def test_an_attribute_named_like_a_path_is_found_whatever_the_order(tmp_path):
+    w, v = jnp.arange(4.0).reshape(2, 2), -jnp.arange(4.0).reshape(2, 2)
+    f = tmp_path / "odd.safetensors"
+    tied.save(f, Odd(True, w, v))
+    back = tied.load(f, Odd(False, jnp.zeros((2, 2)), jnp.zeros((2, 2))))
+    assert same_bits(getattr(back, "encoder.weight"), w) and same_bits(back.encoder.weight, v)
+
+
+MALFORMED = {
+    "dtype tag a list": (lambda h: h[".layers[0].weight"].update(dtype=["F32"]), r"unknown dtype \['F32'\]"),
+    "dtype tag an object": (lambda h: h[".layers[0].weight"].update(dtype={"a": 1}), r"unknown dtype"),
+    "tensor name a list": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(name=[".layers[0].weight"])),
+        r"array 0 has no tensor name \(found list\)",
+    ),
+    "tensor name an object": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(name={"x": 1})),
+        r"array 0 has no tensor name",
+    ),
+    "view without source": (
+        lambda h: with_doc(h, lambda d: d["views"].append({"places": [".layers[1]"], "fn": "f"})),
+        r"a view's source is not a path",
+    ),
+    "view places a string": (
+        lambda h: with_doc(h, lambda d: d["views"].append({"places": ".x", "fn": "f", "source": None})),
+        r"a view's places is not a non-empty list",
+    ),
+    "arrays an object": (lambda h: with_doc(h, lambda d: d.update(arrays={})), r"'arrays' is not a list"),
+    "shared nodes of ints": (
+        lambda h: with_doc(h, lambda d: d.update(shared_nodes=[[1, 2]])),
+        r"a shared node's places is not",
+    ),
+    "user a list": (lambda h: with_doc(h, lambda d: d.update(user=[1])), r"'user' is not an object"),
+    "version a string": (lambda h: with_doc(h, lambda d: d.update(version="2")), r"version '2'"),
+    "version a list": (lambda h: with_doc(h, lambda d: d.update(version=[2])), r"version \[2\]"),
+    "checksum unknown": (lambda h: with_doc(h, lambda d: d.update(checksum="md5")), r"checksum 'md5'"),
+    "checksum a list": (lambda h: with_doc(h, lambda d: d.update(checksum=["crc32c"])), r"unknown checksum"),
+    "crc a string": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(crc32c="12")),
+        r"has no crc32c",
+    ),
+    "crc too big": (lambda h: with_doc(h, lambda d: d["arrays"][0].update(crc32c=2**40)), r"has no crc32c"),
+    "metadata a list": (lambda h: h.update(__metadata__=[1]), r"__metadata__ is not an object"),
+    "shape of floats": (
+        lambda h: with_doc(h, lambda d: d["arrays"][0].update(shape=[2.0, 2])),
+        r"invalid shape",
+    ),
+    "place listed twice": (
+        lambda h: with_doc(h, lambda d: d["arrays"][1]["places"].append(".layers[0].weight")),
+        r"places in the file but not in like: \.layers\[0\]\.weight \(place 2 written so\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_metadata_raises_checkpoint_error(seed_file, case):
+    change, message = MALFORMED[case]
+    header, data = read_parts(seed_file)
+    change(header)
+    write_parts(seed_file, header, data)
+    with pytest.raises(tied.CheckpointError, match=message):
+        tied.load(seed_file, like=seed_model())
+
+
+def fuzz_model():
+    w = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2)
+    block = Dense(jnp.ones((2, 2), jnp.bfloat16), None)
+    enc = Dense(w, jnp.arange(3, dtype=jnp.int32))
+    return {"enc": enc, "dec": tied.transpose(w), "blocks": [block, block]}
+
+
+@functools.cache
+def fuzz_file() -> bytes:
+    path = os.path.join(tempfile.mkdtemp(), "fuzz.safetensors")
+    tied.save(path, fuzz_model(), {"step": 1})
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _mutate_json(data, doc):
+    """Replace or delete one value somewhere in a JSON document, chosen by hypothesis."""
+    node = doc
+    while True:
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        if not keys:
+            return
+        k = data.draw(st.sampled_from(keys))
+        child = node[k]
+        if isinstance(child, (dict, list)) and child and data.draw(st.booleans()):
+            node = child
+            continue
+        if isinstance(node, dict) and data.draw(st.booleans()):
+            del node[k]
+        else:
+            node[k] = data.draw(json_values)
+        return
+
+
+def load_fuzzed(path):
+    """Load a fuzzed file: only a CheckpointError, or the saved values with their ties, may come out."""
+    try:
+        back = tied.load(path, fuzz_model())
+    except tied.CheckpointError:
+        return
+    ref = fuzz_model()
+    assert back["dec"].source is back["enc"].weight and back["blocks"][0] is back["blocks"][1]
+    for a, b in zip(tied.flatten(back)[0], tied.flatten(ref)[0]):
+        assert same_bits(a, b)
+    try:
+        assert isinstance(tied.load_metadata(path), dict)
+    except tied.CheckpointError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fuzzed_bytes_raise_only_checkpoint_error(tmp_path_factory, data):
+    raw = bytearray(fuzz_file())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    path = tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+    path.write_bytes(bytes(raw))
+    load_fuzzed(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fuzzed_metadata_raises_only_checkpoint_error(tmp_path_factory, data):
+    raw = fuzz_file()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    if data.draw(st.booleans()):  # the tied manifest inside the header
+        doc = json.loads(header["__metadata__"]["tied"])
+        _mutate_json(data, doc)
+        header["__metadata__"]["tied"] = json.dumps(doc)
+    else:  # the safetensors header itself
+        _mutate_json(data, header)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path = tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n :])
+    load_fuzzed(path)
+
+
+# ---------------------------------------------------------------- killed saves
+
+
+KILLED_SAVE = """
+import sys, time
+import numpy as np
+import tied
+from tied import _safetensors
+
+real = _safetensors._write_array
+calls = []
+
+def stall(f, data):
+    real(f, data)
+    calls.append(1)
+    if len(calls) == 2:  # the header's room and the first array are on disk: wait to be killed
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(600)
+
+_safetensors._write_array = stall
+tied.save(sys.argv[1], {"w": np.full((64, 64), 2.0, np.float32), "b": np.ones(64, np.float32)})
+"""
+
+
+def start_stalled_save(path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(path)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    assert proc.stdout.readline() == "writing\n"
+    return proc
+
+
+def leftovers(folder):
+    return sorted(n for n in os.listdir(folder) if ".tied-tmp-" in n or n.endswith(".tmp"))
+
+
+def test_a_killed_save_leaves_the_old_file_and_the_next_save_cleans_up(tmp_path):
+    f = tmp_path / "ckpt.safetensors"
+    tied.save(f, seed_model(0), {"step": 1})
+    before = f.read_bytes()
+    old = ".ckpt.safetensors.0123456789ab.tmp"  # what a killed save of tied 0.1 left
+    other = ".other.safetensors.tied-tmp-00"  # another file's: not ours to touch
+    (tmp_path / old).write_bytes(b"x" * 100)
+    (tmp_path / other).write_bytes(b"x")
+    victims = []
+    try:
+        dead = start_stalled_save(f)
+        victims.append(dead)
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait(timeout=60)
+        assert f.read_bytes() == before  # the old checkpoint is whole
+        dead_tmp = [n for n in leftovers(tmp_path) if n.startswith(".ckpt.safetensors.tied-tmp-")]
+        assert len(dead_tmp) == 1 and (tmp_path / dead_tmp[0]).stat().st_size > 64 * 64 * 4
+        live = start_stalled_save(f)  # a save in progress: it removed the dead ones as it began
+        victims.append(live)
+        live_tmp = [n for n in leftovers(tmp_path) if n.startswith(".ckpt.safetensors.tied-tmp-")]
+        assert len(live_tmp) == 1 and live_tmp != dead_tmp
+        assert leftovers(tmp_path) == sorted([live_tmp[0], other])
+        tied.save(f, seed_model(1), {"step": 2})  # the live save's file, locked, is left alone
+        assert leftovers(tmp_path) == sorted([live_tmp[0], other])
+        assert tied.load_metadata(f) == {"step": 2}
+        os.kill(live.pid, signal.SIGKILL)
+        live.wait(timeout=60)
+        tied.save(f, seed_model(1), {"step": 3})
+        assert leftovers(tmp_path) == [other]
+        assert tied.load_metadata(f) == {"step": 3}
+        back = tied.load(f, seed_model(0))
+        assert same_bits(back.layers[1].weight, seed_model(1).layers[0].weight)
+    finally:
+        for p in victims:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=60)
+            p.stdout.close()
+
+
+def test_files_of_the_first_format_still_load(tmp_path):
+    """Version 1 files (tied 0.1: zlib CRC-32 under "crc32", no "checksum" entry) load, checked."""
+    m = seed_model()
+    w, b = np.asarray(m.layers[0].weight), np.asarray(m.layers[0].bias)
+    places = [".layers[0].weight", ".layers[1].weight"], [".layers[0].bias", ".layers[1].bias"]
+    doc = {
+        "format": "tied",
+        "version": 1,
+        "arrays": [
+            {"name": p[0], "dtype": "float32", "shape": list(x.shape), "places": p, "crc32": zlib.crc32(x)}
+            for p, x in zip(places, (w, b))
+        ],
+        "shared_nodes": [],
+        "views": [],
+        "user": {"step": 7},
+    }
+    header = {
+        "__metadata__": {"format": "tied", "tied": json.dumps(doc)},
+        ".layers[0].weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        ".layers[0].bias": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+    }
+    f = tmp_path / "v1.safetensors"
+    write_parts(f, header, w.tobytes() + b.tobytes())
+    back = tied.load(f, seed_model(1))
+    assert back.layers[0].weight is back.layers[1].weight and same_bits(back.layers[1].weight, w)
+    assert same_bits(back.layers[1].bias, b) and tied.load_metadata(f) == {"step": 7}
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+    with pytest.raises(tied.CheckpointError, match=r"'\.layers\[0\]\.bias' do not match their CRC-32 "):
+        tied.load(f, seed_model(1))

@@ -382,6 +382,12 @@ class Match:
 
 
 def _check_leaf(where: str, place: str, leaf: Any, shape: Sequence[int], dtype: str) -> None:
+    if is_abstract(leaf) and jax.dtypes.canonicalize_dtype(leaf.dtype) != np.dtype(leaf.dtype):
+        raise CheckpointError(
+            f"{where}: like has a jax.ShapeDtypeStruct of dtype {dtype_name(leaf)} at {keystr(place)}, "
+            f"which loads as a JAX array, but JAX holds {dtype_name(leaf)} only with jax_enable_x64 set. "
+            "Enable it, or put a numpy array of that dtype in like."
+        )
     want = (tuple(int(d) for d in leaf.shape), dtype_name(leaf))
     got = (tuple(shape), dtype)
     if want != got:
