@@ -57,6 +57,11 @@ def is_param(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _tied_registered(t: type) -> bool:
+    """Classes given to tied.register (JAX's registry refuses them: see tied.register)."""
+    return t in (Dense, Chain) or getattr(t, "_test_registered", False)
+
+
 def _is_tuple_like(x: Any) -> bool:
     return isinstance(x, tuple) and type(x) is not tuple and hasattr(type(x), "_fields")
 
@@ -71,7 +76,7 @@ def children(x: Any) -> list[tuple[Any, Any]] | None:
         return [(K.DictKey(k), x[k]) for k in sorted(x)]
     if _is_tuple_like(x):
         return [(K.GetAttrKey(f), getattr(x, f)) for f in type(x)._fields]
-    if type(x) in (Dense, Chain) or getattr(type(x), "_test_registered", False):
+    if _tied_registered(type(x)):
         return [(K.GetAttrKey(k), v) for k, v in vars(x).items()]
     if isinstance(x, jax.Array) or x is None:
         return None
@@ -131,7 +136,7 @@ def rebuild(tree: Any, leaf: Callable[[str, Any], Any], path: tuple = ()) -> Any
         return {k.key: v for (k, _), v in zip(kids, new)}
     if _is_tuple_like(tree):
         return t(*new)
-    if K.default_registry.is_node(t):
+    if K.default_registry.is_node(t) and not _tied_registered(t):
         return K.tree_unflatten(K.tree_structure(tree, is_leaf=lambda y: y is not tree), new)
     if t is tied.View:
         return tied.View(new[0], tree.fn)

@@ -300,12 +300,24 @@ def test_cycle_that_cannot_be_rebuilt_names_the_path():
         tied.flatten(m)
 
 
-def test_deep_nesting_is_an_error_not_a_crash():
-    x: Any = jnp.ones(1)
-    for _ in range(20000):
-        x = [x]
-    with pytest.raises(tied.GraphError, match=r"^\[0\]\[0\].*nested too deeply"):
-        tied.flatten(x)
+def test_any_depth_that_flatten_accepts_every_entry_point_accepts():
+    # 20,000 levels: far past Python's recursion limit. Every traversal is iterative.
+    x: Any = {"w": jnp.ones(1)}
+    for i in range(20000):
+        x = [x] if i % 3 else Box(x, 1.0) if i % 3 == 1 else {"k": x}
+    for _ in range(3):  # the walk, then a compiled plan
+        leaves, gdef = tied.flatten(x)
+        assert len(leaves) == 1
+    rebuilt = tied.unflatten(gdef, [2 * leaves[0]])
+    _, again = tied.flatten(rebuilt)
+    assert again == gdef
+    (path,) = gdef.leaf_paths()[0]
+    assert path.endswith("['w']") and path.count("[0]") > 10000
+    assert tied.ties(x) == []
+    g = tied.grad(lambda m: jnp.sum(tied.flatten(m)[0][0] * 3.0))(x)
+    assert float(tied.flatten(g)[0][0][0]) == 3.0
+    gp = tied.grad(lambda m: jnp.sum(tied.flatten(m)[0][0] * 3.0), per_location=True)(x)
+    assert float(tied.flatten(gp)[0][0][0]) == 3.0
 
 
 # ---------------------------------------------------------------- unregistered objects
@@ -476,3 +488,247 @@ def test_unregistered_list_subclass_holding_arrays_is_refused():
 
     with pytest.raises(tied.GraphError, match=r"\['a'\]: .*Layers holds arrays.*subclasses list"):
         tied.flatten({"a": Layers([jnp.ones(2)])})
+
+
+# ---------------------------------------------------------------- results never depend on history
+
+
+@tied.register
+class YZ:
+    """Fields in the order they were assigned, which differs between instances."""
+
+    def __init__(self, y, z, order):
+        for name in order:
+            setattr(self, name, {"y": y, "z": z}[name])
+
+
+def test_leaf_order_follows_each_objects_own_field_order_whatever_was_flattened_before():
+    y, z = jnp.ones(1), jnp.zeros(2)
+    first = YZ(y, z, "yz")
+    for _ in range(3):  # compiles a plan for the y-then-z structure
+        assert [id(x) for x in tied.flatten(first)[0]] == [id(y), id(z)]
+    y2, z2 = jnp.ones(1), jnp.zeros(2)
+    other = YZ(y2, z2, "zy")
+    for _ in range(3):
+        leaves, gdef = tied.flatten(other)
+        assert [id(x) for x in leaves] == [id(z2), id(y2)]  # the walk's order: z, then y
+        assert gdef.leaf_paths() == ((".z",), (".y",))
+        assert [id(p) for p in tied.params(other)] == [id(z2), id(y2)]
+
+
+def test_unsortable_dict_keys_keep_each_dicts_own_order():
+    a, b = jnp.ones(1), jnp.zeros(1)
+    for _ in range(3):
+        tied.flatten({1: a, "x": b})
+    leaves, gdef = tied.flatten({"x": b, 1: a})
+    assert [id(x) for x in leaves] == [id(b), id(a)]
+    assert gdef.leaf_paths() == (("['x']",), ("[1]",))
+
+
+@pytest.mark.parametrize(
+    "seen, model",
+    [
+        ({"w": 1, "s": 0.0}, {"w": 1, "s": -0.0}),
+        ({"w": 1, "s": 1}, {"w": 1, "s": 1.0}),
+        ({"w": 1, "s": 1}, {"w": 1, "s": True}),
+        ({"w": 1, "s": float("nan")}, {"w": 1, "s": -float("nan")}),
+        ({"w": 1, 1: 0}, {"w": 1, 1.0: 0}),
+        ({"w": 1, 1: 0}, {"w": 1, True: 0}),
+    ],
+)
+def test_a_rebuilt_static_is_the_models_own_value_in_type_and_bits(seen, model):
+    w = jnp.ones(2)
+    seen, model = ({k: (w if k == "w" else v) for k, v in d.items()} for d in (seen, model))
+    for _ in range(3):
+        tied.flatten(seen)
+        tied.unflatten(*reversed(tied.flatten(seen)))
+    for _ in range(3):
+        leaves, gdef = tied.flatten(model)
+        out = tied.unflatten(gdef, leaves)
+        assert [type(k) for k in out] == [type(k) for k in model]
+        for k in model:
+            if k != "w":
+                (k2,) = [x for x in out if x != "w"]
+                assert type(k2) is type(k)
+                assert np.array(out[k2]).tobytes() == np.array(model[k]).tobytes()
+                assert type(out[k2]) is type(model[k])
+
+
+def test_equal_statics_of_other_bits_give_unequal_graphdefs():
+    w = jnp.ones(1)
+    assert tied.flatten({"w": w, "s": 0.0})[1] != tied.flatten({"w": w, "s": -0.0})[1]
+    assert tied.flatten({"w": w, 1: 0})[1] != tied.flatten({"w": w, 1.0: 0})[1]
+    nan = tied.flatten({"w": w, "s": float("nan")})[1]
+    assert nan == tied.flatten({"w": w, "s": float("nan")})[1]  # the same bits: equal, no retrace
+
+
+# ---------------------------------------------------------------- every holder of arrays is walked or refused
+
+
+@tied.register
+class Layers(list):
+    """A registered list subclass with a field of its own."""
+
+
+@tied.register
+class Params(dict):
+    pass
+
+
+@tied.register
+class Slotted:
+    __slots__ = ("w", "b", "unset")
+
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+
+def test_registered_list_and_dict_subclasses_are_walked_items_and_fields():
+    w, b = jnp.ones(2), jnp.zeros(2)
+    layers = Layers([Dense(w, b), Dense(w, b)])
+    layers.name = "stack"
+    layers.extra = w
+    p = Params(a=w, c=b)
+    p.scale = jnp.ones(())
+    model = {"layers": layers, "p": p}
+    for _ in range(3):
+        leaves, gdef = tied.flatten(model)
+        assert [id(x) for x in leaves] == [id(w), id(b), id(p.scale)]
+        assert gdef.leaf_paths()[0] == (
+            "['layers'][0].weight", "['layers'][1].weight", "['layers'].extra", "['p']['a']"
+        )
+        out = tied.unflatten(gdef, [x + 1 for x in leaves])
+        assert type(out["layers"]) is Layers and type(out["p"]) is Params
+        assert out["layers"].name == "stack" and out["layers"].extra is out["p"]["a"]
+        assert out["layers"][0].weight is out["layers"][1].weight is out["p"]["a"]
+        assert list(out["p"]) == ["a", "c"] and float(out["p"].scale) == 2.0
+    g = tied.grad(lambda m: jnp.sum(m["layers"][0].weight * 2) + jnp.sum(m["p"]["a"]) + m["p"].scale)(model)
+    assert g["layers"][0].weight is g["p"]["a"]
+    np.testing.assert_allclose(g["p"]["a"], 3.0)
+    assert float(g["p"].scale) == 1.0
+
+
+def test_registered_slotted_class_walks_its_set_slots():
+    w, b = jnp.ones(2), jnp.zeros(2)
+    s = Slotted(w, b)
+    for _ in range(3):
+        leaves, gdef = tied.flatten([s, s])
+        assert [id(x) for x in leaves] == [id(w), id(b)]
+        assert tied.ties([s, s]) == [("[0]", "[1]")]
+    out = tied.unflatten(gdef, [w + 1, b])
+    assert out[0] is out[1] and float(out[0].w[0]) == 2.0 and not hasattr(out[0], "unset")
+    s2 = Slotted(w, b)
+    s2.unset = jnp.zeros(3)  # a slot set now: a new field, never read by the old plan
+    leaves, _ = tied.flatten([s2, s2])
+    assert len(leaves) == 3
+
+
+class PlainSlots:
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+
+class SlotList(list):
+    __slots__ = ()
+
+
+class SlotDict(dict):
+    __slots__ = ()
+
+
+@pytest.mark.parametrize(
+    "holder, name",
+    [
+        (lambda w: PlainSlots(w), "PlainSlots"),
+        (lambda w: SlotList([w]), "SlotList"),
+        (lambda w: SlotDict(a=w), "SlotDict"),
+        (lambda w: __import__("collections").deque([w]), "deque"),
+        (lambda w: {"q": PlainSlots([w])}, "PlainSlots"),
+    ],
+)
+def test_arrays_in_unwalkable_holders_are_refused_with_the_path_and_the_fix(holder, name):
+    w = jnp.ones(2)
+    model = {"net": [holder(w)]}
+    with pytest.raises(tied.GraphError, match=rf"^\['net'\]\[0\].*{name} holds arrays.*(register|hold)"):
+        tied.flatten(model)
+
+
+def test_register_refuses_what_it_cannot_rebuild():
+    class T(tuple):
+        pass
+
+    with pytest.raises(TypeError, match=r"tied.register\(.*T\): a subclass of tuple"):
+        tied.register(T)
+
+
+# ---------------------------------------------------------------- plans that cannot lie
+
+
+def test_a_very_wide_model_never_costs_much_more_than_the_walk():
+    import time
+
+    from tied import _graph
+
+    model = {f"w{i:06d}": np.full((1,), i, np.float32) for i in range(60000)}
+    t0 = time.perf_counter()
+    _graph._walk(model)
+    walk = time.perf_counter() - t0
+    worst = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        leaves, _ = tied.flatten(model)
+        worst = max(worst, time.perf_counter() - t0)
+        assert len(leaves) == 60000
+    # Generous for a noisy machine; compiling a plan for it took some 40 times the walk.
+    assert worst < 6 * walk + 0.05, (worst, walk)
+
+
+def test_plan_source_is_kept_and_shown_in_tracebacks():
+    import linecache
+
+    from tied import _graph
+
+    m = {"a": jnp.ones(1), "b": [jnp.ones(2)]}
+    for _ in range(3):
+        tied.flatten(m)
+    (_, plan), *_ = _graph._flatten_plans[dict]
+    src = plan.__tied_source__
+    assert "def plan(root):" in src
+    filename = plan.__code__.co_filename
+    assert linecache.getline(filename, 1).startswith("def plan")
+
+
+def test_plan_check_mode_is_on_in_the_test_suite():
+    from tied import _graph
+
+    assert _graph.CHECK_PLANS
+
+
+# ---------------------------------------------------------------- plain JAX on a tied node
+
+
+def test_plain_jax_on_a_tied_node_says_what_to_do():
+    import optax
+
+    d = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+    model = Chain(d, d)
+    fix = r"tied\.grad.*tied\.jit.*tied\.map.*tied\.Graph\(model\)"
+    calls = [
+        lambda: jax.tree_util.tree_map(lambda x: x, model),
+        lambda: jax.tree_util.tree_leaves(model),
+        lambda: jax.jit(lambda m: m)(model),
+        lambda: jax.grad(lambda m: jnp.sum(m.layers[0].weight))(model),
+        lambda: jax.vmap(lambda m: m)(model),
+        lambda: optax.adam(1e-3).init(model),
+        lambda: jax.tree_util.tree_map(lambda x: x, {"net": [d]}),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=rf"helpers\.(Chain|Dense) is a tied node.*{fix}"):
+            call()
+    # The tied way works, and an Equinox module may still hold a tied layer.
+    assert len(jax.tree_util.tree_leaves(tied.Graph(model))) == 2
+    pair = EqxPair(d, jnp.ones(1))
+    leaves, _ = tied.flatten(pair)
+    assert len(leaves) == 3

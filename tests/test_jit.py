@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import Chain, Dense
 
@@ -171,7 +172,8 @@ def test_graph_leaves_are_unique_and_jit_keeps_ties():
     model = seed_model()
     graph = tied.Graph(model)
     assert len(jax.tree_util.tree_leaves(graph)) == 2
-    assert graph.value is model
+    # A snapshot: the value is rebuilt from the arrays JAX sees, never the object passed in.
+    assert graph.value is not model and graph.value.layers[0].weight is model.layers[0].weight
     out = jax.jit(lambda g: g)(graph).value
     assert out.layers[0].weight is out.layers[1].weight
     assert out.layers[0] is out.layers[2]
@@ -339,3 +341,18 @@ def test_equal_graphdefs_are_the_same_jax_type_so_jax_jit_does_not_retrace():
     c.layers[1] = Dense(c.layers[0].weight + 0.0, c.layers[0].bias, jnp.tanh)  # a tie cut
     np.testing.assert_allclose(f(tied.Graph(c)), c(X).sum(), rtol=1e-5)
     assert len(traces) == 2
+
+
+def test_graph_is_a_snapshot_so_jax_and_value_always_agree():
+    model = seed_model()
+    x = jnp.ones((3, model.layers[0].weight.shape[1]))
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+    graph = tied.Graph(model)
+    before = float(loss(model))
+    state = tied.optim.setup(optax.sgd(0.1), model)
+    g = tied.grad(loss)(model)
+    tied.optim.update_inplace(state, model, g)  # the model changes in place after the Graph was made
+    assert float(loss(model)) != before
+    jitted = float(jax.jit(lambda G: loss(G.value))(graph))
+    assert jitted == pytest.approx(float(loss(graph.value)), rel=1e-6) == pytest.approx(before, rel=1e-6)
+    assert graph.value.layers[0].weight is graph.value.layers[1].weight

@@ -2,29 +2,38 @@
 
 This is the one place where sharing is decided. Everything else in `tied`
 (gradients, jit, optimisers, checkpoints, inspection) goes through `flatten`,
-`unflatten` and the few readers of a `GraphDef` defined here.
+`unflatten` and the named readers of a `GraphDef` defined here
+(`GraphDef.walk_places`, `leaf_paths`, `node_paths`, `shared_node_paths`,
+`views`, `place_leaves`, `expand`, `read_places`).
 
 A graph is walked depth first. Every object met is one of:
 
 * an *array* (``jax.Array``, ``numpy.ndarray``): a leaf, tracked by identity;
-* a *node* (list, tuple, dict, namedtuple, anything in JAX's pytree registry,
-  a dataclass, a class given to `register`, a `View`): tracked by identity,
-  its children walked in order;
-* a *static* (anything else): stored by value in the `GraphDef`, never tied.
+* a *node*: one of the kinds in the table `KINDS` (list, dict, registered object,
+  slotted dataclass, list/dict subclass given to `register`, tuple, namedtuple,
+  anything in JAX's pytree registry, `View`): tracked by identity, its children
+  walked in order;
+* a *static* (anything else): stored by value in the `GraphDef`, never tied; an
+  object the walk cannot enter that holds arrays is an error, never dropped.
 
 The `GraphDef` holds one record per unique node, in first-seen order; a record
 refers to its children by reference numbers (leaf ``i`` -> ``3 * i``, node ``j``
 -> ``3 * j + 1``, static ``k`` -> ``3 * k + 2``), so a shared object is simply a
-number that occurs twice.
+number that occurs twice. That encoding is read in this module and in `_plan`
+only. See ``src/tied/README.md`` for a map of the modules.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
+import struct
+import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -35,6 +44,8 @@ from ._view import View
 __all__ = [
     "GraphDef",
     "GraphError",
+    "Place",
+    "ViewInfo",
     "flatten",
     "unflatten",
     "register",
@@ -43,15 +54,9 @@ __all__ = [
 
 _registry = jax.tree_util.default_registry
 
-# Node kinds. Mutable kinds are created empty first and filled last, so they
-# can sit on a reference cycle; immutable kinds are built from finished children.
-LIST, DICT, OBJ, SLOTS = 0, 1, 2, 3  # mutable
-TUPLE, NAMEDTUPLE, PYTREE, VIEW = 4, 5, 6, 7  # immutable
-_MUTABLE = (LIST, DICT, OBJ, SLOTS)
-_KIND_NAMES = ("list", "dict", "object", "dataclass", "tuple", "namedtuple", "pytree", "view")
 
-# Classification of a type (cached): array, static, a node kind, or unknown.
-_ARRAY, _STATIC, _UNKNOWN = "array", "static", "unknown"
+class GraphError(TypeError):
+    """A model that `tied` cannot walk or rebuild; the message names the path and the fix."""
 
 
 class ViewInfo(NamedTuple):
@@ -64,29 +69,492 @@ class ViewInfo(NamedTuple):
     leaf: int | None
 
 
-class GraphError(TypeError):
-    """A model that `tied` cannot walk or rebuild; the message names the path and the fix."""
+class Place(NamedTuple):
+    """One place of a graph, as `GraphDef.walk_places` yields it.
+
+    ``kind`` is ``"array"``, ``"static"`` or a node kind's name (``"list"``,
+    ``"dict"``, ``"object"``, ``"dataclass"``, ``"tuple"``, ``"namedtuple"``,
+    ``"pytree"``, ``"view"``, ...). ``index`` numbers the unique object of that
+    sort (unique arrays in `flatten` order, nodes, statics). ``first`` is False at
+    a later place of a shared object (whose children are then not visited again,
+    unless the walk expands shared nodes). ``type`` is the node's Python type,
+    ``value`` the static's value or a view's function.
+    """
+
+    path: str
+    depth: int
+    kind: str
+    index: int
+    first: bool
+    type: Any
+    value: Any
 
 
-_registered: set[type] = set()
+# ---------------------------------------------------------------- node kinds
+#
+# Every container the walk enters is one `Kind`: how to get its children (and the
+# meta data that rebuilds it), the keystr piece of each child, how to rebuild it, how
+# to read a tree that mirrors it (a gradient), how to write one child of a live
+# object, and what a compiled plan emits for it. Adding a kind is one entry here.
+
+
+class Kind:
+    """How the walk, the rebuild, the mirror reader and the plans treat one sort of node."""
+
+    name = "node"
+    mutable = False  # mutable kinds are built empty first and filled last (cycles)
+    writable = False  # a child of a live object can be replaced in place
+
+    def children(self, x: Any) -> tuple[list, Any]:
+        raise NotImplementedError
+
+    def key(self, meta: Any, i: int, n: int) -> str:
+        return f"[{i}]"
+
+    # immutable kinds
+    def make(self, meta: Any, children: list) -> Any:
+        raise NotImplementedError
+
+    # mutable kinds
+    def shell(self, meta: Any) -> Any:
+        raise NotImplementedError
+
+    def fill(self, meta: Any, obj: Any, children: list) -> None:
+        raise NotImplementedError
+
+    def mirror(self, meta: Any, obj: Any, n: int) -> list:
+        """The children of ``obj``, a tree shaped like this node (a gradient)."""
+        return list(self.children(obj)[0])
+
+    def setter(self, meta: Any, obj: Any, i: int) -> Callable[[Any], None]:
+        raise NotImplementedError
+
+    def type_of(self, meta: Any) -> type:
+        return meta[0]
+
+    def __repr__(self) -> str:
+        return f"<tied kind {self.name}>"
+
+
+class _List(Kind):
+    name, mutable, writable = "list", True, True
+
+    def children(self, x):
+        return list(x), None
+
+    def shell(self, meta):
+        return []
+
+    def fill(self, meta, obj, children):
+        obj.extend(children)
+
+    def mirror(self, meta, obj, n):
+        return _sequence(obj, n)
+
+    def setter(self, meta, obj, i):
+        return lambda v: obj.__setitem__(i, v)
+
+    def type_of(self, meta):
+        return list
+
+
+def _sequence(obj: Any, n: int) -> list:
+    children = list(obj)
+    if len(children) != n:
+        raise _Mismatch(f"a sequence of length {n}")
+    return children
+
+
+def _dict_keys(x: Any) -> tuple:
+    try:
+        return tuple(sorted(x))
+    except TypeError:  # keys of mixed types: insertion order
+        return tuple(x)
+
+
+class _Dict(Kind):
+    name, mutable, writable = "dict", True, True
+
+    def children(self, x):
+        keys = _dict_keys(x)
+        return [x[k] for k in keys], keys
+
+    def key(self, meta, i, n):
+        return f"[{meta[i]!r}]"
+
+    def shell(self, meta):
+        return {}
+
+    def fill(self, meta, obj, children):
+        obj.update(zip(meta, children))
+
+    def mirror(self, meta, obj, n):
+        return [obj[k] for k in meta]
+
+    def setter(self, meta, obj, i):
+        key = meta[i]
+        return lambda v: obj.__setitem__(key, v)
+
+    def type_of(self, meta):
+        return dict
+
+
+class _Object(Kind):
+    """A registered class (or a dataclass) whose instances keep their fields in ``__dict__``."""
+
+    name, mutable, writable = "object", True, True
+
+    def children(self, x):
+        d = x.__dict__
+        return list(d.values()), (type(x), tuple(d))
+
+    def key(self, meta, i, n):
+        return f".{meta[1][i]}"
+
+    def shell(self, meta):
+        return object.__new__(meta[0])
+
+    def fill(self, meta, obj, children):
+        obj.__dict__.update(zip(meta[1], children))
+
+    def mirror(self, meta, obj, n):
+        return [getattr(obj, name) for name in meta[1]]
+
+    def setter(self, meta, obj, i):
+        name, d = meta[1][i], obj.__dict__
+        return lambda v: d.__setitem__(name, v)
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for c in reversed(cls.__mro__):
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+_MISSING = object()
+
+
+def _attribute_names(x: Any) -> tuple[str, ...]:
+    """Fields of a registered class that uses ``__slots__``: the slots that are set (in
+    class order), then the ``__dict__`` entries if it has one."""
+    names = [n for n in _slot_names(type(x)) if getattr(x, n, _MISSING) is not _MISSING]
+    d = getattr(x, "__dict__", None)
+    if d:
+        names.extend(k for k in d if k not in names)
+    return tuple(names)
+
+
+class _Slots(Kind):
+    """A slotted dataclass (its fields), or a registered class with ``__slots__``."""
+
+    name, mutable, writable = "dataclass", True, True
+
+    def children(self, x):
+        t = type(x)
+        if t in _slotted_dataclasses:
+            names = tuple(f.name for f in dataclasses.fields(x))
+        else:
+            names = _attribute_names(x)
+        return [getattr(x, n) for n in names], (t, names)
+
+    def key(self, meta, i, n):
+        return f".{meta[1][i]}"
+
+    def shell(self, meta):
+        return object.__new__(meta[0])
+
+    def fill(self, meta, obj, children):
+        for name, c in zip(meta[1], children):
+            object.__setattr__(obj, name, c)
+
+    def mirror(self, meta, obj, n):
+        return [getattr(obj, name) for name in meta[1]]
+
+    def setter(self, meta, obj, i):
+        name = meta[1][i]
+        return lambda v: object.__setattr__(obj, name, v)
+
+
+class _ListSubclass(Kind):
+    """A registered subclass of list: its items, then its ``__dict__`` fields."""
+
+    name, mutable, writable = "list subclass", True, True
+
+    def children(self, x):
+        d = getattr(x, "__dict__", None) or {}
+        items = list.__iter__(x)
+        return [*items, *d.values()], (type(x), list.__len__(x), tuple(d))
+
+    def key(self, meta, i, n):
+        return f"[{i}]" if i < meta[1] else f".{meta[2][i - meta[1]]}"
+
+    def shell(self, meta):
+        return list.__new__(meta[0])
+
+    def fill(self, meta, obj, children):
+        n = meta[1]
+        list.extend(obj, children[:n])
+        if meta[2]:
+            obj.__dict__.update(zip(meta[2], children[n:]))
+
+    def mirror(self, meta, obj, n):
+        if isinstance(obj, list):
+            d = getattr(obj, "__dict__", None) or {}
+            return [*list.__iter__(obj), *(d[k] for k in meta[2])]
+        return _sequence(obj, n)
+
+    def setter(self, meta, obj, i):
+        if i < meta[1]:
+            return lambda v: list.__setitem__(obj, i, v)
+        name, d = meta[2][i - meta[1]], obj.__dict__
+        return lambda v: d.__setitem__(name, v)
+
+
+class _DictSubclass(Kind):
+    """A registered subclass of dict: its values (keys as for a dict), then its ``__dict__``."""
+
+    name, mutable, writable = "dict subclass", True, True
+
+    def children(self, x):
+        keys = _dict_keys(dict.keys(x))
+        d = getattr(x, "__dict__", None) or {}
+        get = dict.__getitem__
+        return [*(get(x, k) for k in keys), *d.values()], (type(x), keys, tuple(d))
+
+    def key(self, meta, i, n):
+        keys = meta[1]
+        return f"[{keys[i]!r}]" if i < len(keys) else f".{meta[2][i - len(keys)]}"
+
+    def shell(self, meta):
+        return dict.__new__(meta[0])
+
+    def fill(self, meta, obj, children):
+        keys = meta[1]
+        dict.update(obj, zip(keys, children))
+        if meta[2]:
+            obj.__dict__.update(zip(meta[2], children[len(keys) :]))
+
+    def mirror(self, meta, obj, n):
+        d = getattr(obj, "__dict__", None) or {}
+        return [*(obj[k] for k in meta[1]), *(d[k] if d else getattr(obj, k) for k in meta[2])]
+
+    def setter(self, meta, obj, i):
+        keys = meta[1]
+        if i < len(keys):
+            key = keys[i]
+            return lambda v: dict.__setitem__(obj, key, v)
+        name, d = meta[2][i - len(keys)], obj.__dict__
+        return lambda v: d.__setitem__(name, v)
+
+
+class _Tuple(Kind):
+    name = "tuple"
+
+    def children(self, x):
+        return list(x), len(x)
+
+    def make(self, meta, children):
+        return tuple(children)
+
+    def mirror(self, meta, obj, n):
+        return _sequence(obj, n)
+
+    def type_of(self, meta):
+        return tuple
+
+
+class _NamedTuple(Kind):
+    name = "namedtuple"
+
+    def children(self, x):
+        return list(x), type(x)
+
+    def key(self, meta, i, n):
+        return f".{meta._fields[i]}"
+
+    def make(self, meta, children):
+        return meta(*children)
+
+    def mirror(self, meta, obj, n):
+        return _sequence(obj, n)
+
+    def type_of(self, meta):
+        return meta
+
+
+class _Pytree(Kind):
+    """A node of JAX's pytree registry (an Equinox module, say): one level of its flatten."""
+
+    name = "pytree"
+
+    def children(self, x):
+        children, aux = _registry.flatten_one_level(x)
+        return list(children), (type(x), aux)
+
+    def key(self, meta, i, n):
+        return _pytree_keys(meta, n)[i]
+
+    def make(self, meta, children):
+        return _pytree_def(meta, len(children)).unflatten(children)
+
+    def mirror(self, meta, obj, n):
+        children = list(_registry.flatten_one_level(obj)[0])
+        if len(children) != n:
+            raise _Mismatch(f"a {meta[0].__name__} with {n} children")
+        return children
+
+
+class _View(Kind):
+    name = "view"
+
+    def children(self, x):
+        return [x.source], x.fn
+
+    def key(self, meta, i, n):
+        return ".source"
+
+    def make(self, meta, children):
+        return View(children[0], meta)
+
+    def mirror(self, meta, obj, n):
+        if type(obj) is not View:
+            raise _Mismatch("a tied.View (the gradient of a view's source)")
+        return [obj.source]
+
+    def setter(self, meta, obj, i):
+        return lambda v: object.__setattr__(obj, "source", v)
+
+    def type_of(self, meta):
+        return View
+
+
+class _Mismatch(Exception):
+    """A mirror tree (a gradient) is not shaped like the node; carries what was expected."""
+
+    def __init__(self, expected: str):
+        self.expected = expected
+
+
+# The table. Records store the index (a small int, fast to compare and to hash);
+# mutable kinds come first.
+KINDS: tuple[Kind, ...] = (
+    _List(),
+    _Dict(),
+    _Object(),
+    _Slots(),
+    _ListSubclass(),
+    _DictSubclass(),
+    _Tuple(),
+    _NamedTuple(),
+    _Pytree(),
+    _View(),
+)
+LIST, DICT, OBJ, SLOTS, LISTSUB, DICTSUB, TUPLE, NAMEDTUPLE, PYTREE, VIEW = range(len(KINDS))
+_MUTABLE = tuple(k for k, kind in enumerate(KINDS) if kind.mutable)
+_KIND_NAMES = tuple(kind.name for kind in KINDS)
+
+# Classification of a type (cached): array, static, a node kind, or unknown.
+_ARRAY, _STATIC, _UNKNOWN = "array", "static", "unknown"
+
+_registered: dict[type, int] = {}  # class given to `register` -> its kind
+_slotted_dataclasses: set[type] = set()
 _array_types: set[type] = set()  # every array type met so far (compiled plans test against it)
 _type_cache: dict[type, Any] = {}
 _cache_lock = threading.Lock()
 
 
-def register(cls: type) -> type:
-    """Let `tied` walk instances of a plain Python class through their ``__dict__``.
+def _guard_message(cls: type) -> str:
+    return (
+        f"{cls.__module__}.{cls.__qualname__} is a tied node (given to tied.register), not a JAX "
+        "pytree: walking it leaf by leaf would cut its ties (a shared array would become one "
+        "copy per place). Use the tied way: tied.grad / tied.value_and_grad for gradients, "
+        "tied.jit for jit, tied.map to map over its arrays, tied.optim.setup for an optax "
+        "optimiser, or wrap it as tied.Graph(model) to hand it to any JAX function."
+    )
 
-    Instances are rebuilt without calling ``__init__`` (``object.__new__`` and the
-    attributes put back), so any constructor signature works. Usable as a class
+
+class _Opaque:
+    """Aux data standing for a whole tied node, equal only to itself."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Opaque and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _called_from_equinox_init() -> bool:
+    """Equinox scans a module's constructor arguments with ``tree_leaves`` (for jitted
+    functions stored as fields); a tied layer held by an Equinox module must pass that
+    scan, so there it is one leafless node. Every other JAX call is refused."""
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_code.co_name == "__call__" and f.f_code.co_filename.endswith(_EQX_MODULE_FILE):
+            return True
+        f = f.f_back
+    return False
+
+
+_EQX_MODULE_FILE = os.path.join("equinox", "_module", "_module.py")
+
+
+def _refuse_jax_flatten(cls: type) -> None:
+    """Make JAX's pytree functions (tree_map, jit, grad, vmap, optax's init) refuse ``cls``
+    with a message naming the tied way, instead of treating it as an opaque leaf."""
+    if _registry.is_node(cls):
+        return  # already a JAX pytree (registered by its author): leave JAX's rule alone
+
+    def refuse(x):
+        if _called_from_equinox_init():
+            return (), _Opaque(x)
+        raise TypeError(_guard_message(cls))
+
+    def refuse_unflatten(_aux, _children):
+        raise TypeError(_guard_message(cls))
+
+    try:
+        jax.tree_util.register_pytree_node(cls, refuse, refuse_unflatten)
+    except ValueError:  # registered meanwhile by another thread
+        pass
+
+
+def register(cls: type) -> type:
+    """Let `tied` walk instances of a plain Python class: its fields are its children.
+
+    Fields are the ``__dict__`` entries in assignment order (and the ``__slots__``
+    that are set, for a class that uses slots). Instances are rebuilt without
+    calling ``__init__`` (``object.__new__`` and the fields put back), so any
+    constructor signature works. A subclass of ``list`` or ``dict`` is walked
+    through its items and then its ``__dict__`` fields. Usable as a class
     decorator. JAX's pytree registry, dataclasses and Equinox modules need no
     registration.
+
+    A registered class is a `tied` node, not a JAX pytree: plain JAX functions
+    (``jax.tree_util.tree_map``, ``jax.jit``, ``jax.grad``, an optax ``init``)
+    refuse it with a `TypeError` naming the tied way (`tied.grad`, `tied.jit`,
+    `tied.map`, ``tied.Graph(model)``), since walking it leaf by leaf would cut
+    its ties.
 
     Args:
         cls: the class to walk.
 
     Returns:
         ``cls`` itself.
+
+    Raises:
+        TypeError: ``cls`` is not a class, or is a kind of object `tied` cannot
+            rebuild (a tuple subclass other than a namedtuple, a set, a deque).
 
     Example:
         >>> @tied.register
@@ -97,11 +565,28 @@ def register(cls: type) -> type:
     """
     if not isinstance(cls, type):
         raise TypeError(f"tied.register expects a class, got {cls!r}.")
+    name = cls.__qualname__
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return cls  # a namedtuple: walked as one already
+    if issubclass(cls, list):
+        kind = LISTSUB
+    elif issubclass(cls, dict):
+        kind = DICTSUB
+    elif issubclass(cls, (tuple, set, frozenset, collections.deque, str, bytes)):
+        base = next(b for b in cls.__mro__[1:] if b in (tuple, set, frozenset, collections.deque, str, bytes))
+        raise TypeError(
+            f"tied.register({name}): a subclass of {base.__name__} cannot be rebuilt from its "
+            "fields by tied. Hold the arrays in a list, a dict, a namedtuple or a plain "
+            "registered class instead."
+        )
+    else:
+        kind = SLOTS if _slot_names(cls) else OBJ
     with _cache_lock:
-        _registered.add(cls)
+        _registered[cls] = kind
         _type_cache.clear()
         for cache in _plan_caches:
             cache.clear()
+    _refuse_jax_flatten(cls)
     return cls
 
 
@@ -131,13 +616,14 @@ _STATIC_TYPES = (
 
 def _classify(x: Any) -> Any:
     t = type(x)
-    if t in _registered:
-        return OBJ
+    k = _registered.get(t)
+    if k is not None:
+        return k
     if t is View:
         return VIEW
     if isinstance(x, (jax.Array, np.ndarray)):
         return _ARRAY
-    if isinstance(x, _STATIC_TYPES) and t not in (list, tuple, dict):
+    if isinstance(x, _STATIC_TYPES) and not isinstance(x, (list, tuple, dict)):
         return _STATIC
     if t is list:
         return LIST
@@ -150,7 +636,10 @@ def _classify(x: Any) -> Any:
     if _registry.is_node(t):
         return PYTREE
     if dataclasses.is_dataclass(t):
-        return OBJ if hasattr(x, "__dict__") else SLOTS
+        if hasattr(x, "__dict__"):
+            return OBJ
+        _slotted_dataclasses.add(t)
+        return SLOTS
     return _UNKNOWN
 
 
@@ -166,21 +655,40 @@ def _kind(x: Any) -> Any:
     return k
 
 
-# Errors raised deep in the walk carry the keys of the path as they unwind.
-class _WalkError(Exception):
-    def __init__(self, make_message: Callable[[str], str], exc_type: type = GraphError):
-        self.keys: list[str] = []
-        self.make_message = make_message
-        self.exc_type = exc_type
+def _node_children(kind: int, x: Any) -> tuple[list, Any]:
+    """The children of node ``x`` in walk order, and the meta data that rebuilds it."""
+    return KINDS[kind].children(x)
 
-    def finish(self) -> Exception:
-        path = "".join(reversed(self.keys))
-        return self.exc_type(self.make_message(path or "<root>"))
+
+def _child_key(kind: int, meta: Any, i: int, n: int) -> str:
+    """The keystr piece for child ``i`` of a node, as ``jax.tree_util.keystr`` writes it."""
+    return KINDS[kind].key(meta, i, n)
+
+
+# ---------------------------------------------------------------- unwalkable objects
+
+
+def _held(x: Any) -> list:
+    """What an object that the walk does not enter holds, as far as can be seen without
+    running user code: ``__dict__`` values, set slots, and the items of a container."""
+    out: list = []
+    d = getattr(x, "__dict__", None)
+    if isinstance(d, dict):
+        out.extend(d.values())
+    for name in _slot_names(type(x)):
+        v = getattr(x, name, _MISSING)
+        if v is not _MISSING:
+            out.append(v)
+    if isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+        out.extend(x)
+    elif isinstance(x, dict):
+        out.extend(x.values())
+    return out
 
 
 def _has_arrays(obj: Any) -> bool:
     """Whether arrays sit anywhere below an unwalkable object, looking through the nodes
-    and the ``__dict__`` of unregistered objects it holds (a registered layer inside an
+    and the fields of unregistered objects it holds (a registered layer inside an
     unregistered wrapper too). Iterative and identity-memoised, so cycles end."""
     seen: dict[int, Any] = {}  # id -> object, held so that ids stay unique
     stack = [obj]
@@ -194,93 +702,122 @@ def _has_arrays(obj: Any) -> bool:
             return True
         if k is _STATIC:
             continue
-        if k is _UNKNOWN or k == OBJ:
-            d = getattr(x, "__dict__", None)
-            if isinstance(d, dict):
-                stack.extend(d.values())
-            if isinstance(x, (list, tuple)):  # an unregistered subclass of a container
-                stack.extend(x)
-            elif isinstance(x, dict):
-                stack.extend(x.values())
+        if k is _UNKNOWN:
+            stack.extend(_held(x))
         else:
             stack.extend(_node_children(k, x)[0])
     return False
 
 
 def _unknown_static(x: Any) -> None:
-    if hasattr(x, "__dict__") and _has_arrays(x):
-        cls = type(x)
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        base = next((b.__name__ for b in (list, tuple, dict) if isinstance(x, b)), None)
-        if base is not None:
-            fix = (
-                f"it subclasses {base}, which tied would rebuild as a plain {base}: register "
-                f"it with jax.tree_util.register_pytree_node (or hold a plain {base})."
-            )
-        else:
-            fix = (
-                f"decorate it with @tied.register, or call tied.register({cls.__qualname__}) "
-                "(a dataclass, an Equinox module or a JAX-registered pytree needs nothing)."
-            )
+    if not _has_arrays(x):
+        return
+    cls = type(x)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(x, (list, dict)):
+        base = "list" if isinstance(x, list) else "dict"
+        fix = (
+            f"it subclasses {base}: decorate it with @tied.register (tied then walks its items "
+            f"and its fields), or hold a plain {base}."
+        )
+    elif isinstance(x, (set, frozenset, collections.deque, tuple)):
+        fix = (
+            f"a {cls.__name__} cannot be walked in a stable order or rebuilt by tied: hold the "
+            "arrays in a list, a tuple, a dict or a namedtuple instead."
+        )
+    else:
+        fix = (
+            f"decorate it with @tied.register, or call tied.register({cls.__qualname__}) "
+            "(a dataclass, an Equinox module or a JAX-registered pytree needs nothing)."
+        )
 
-        def message(path: str) -> str:
-            return (
-                f"{path}: an object of unregistered class {name} holds arrays, and tied would "
-                f"drop them as a static leaf. Register the class so tied walks it: {fix}"
-            )
+    def message(path: str) -> str:
+        return (
+            f"{path}: an object of unregistered class {name} holds arrays, and tied would "
+            f"drop them as a static leaf. Register the class so tied walks it: {fix}"
+        )
 
-        raise _WalkError(message)
-
-
-def _pytree_children(x: Any):
-    children, aux = _registry.flatten_one_level(x)
-    return list(children), (type(x), aux)
+    raise _WalkError(message)
 
 
-def _node_children(kind: int, x: Any) -> tuple[list, Any]:
-    """The children of node ``x`` in walk order, and the meta data that rebuilds it."""
-    if kind == LIST:
-        return list(x), None
-    if kind == TUPLE:
-        return list(x), len(x)
-    if kind == DICT:
-        try:
-            keys = tuple(sorted(x))
-        except TypeError:
-            keys = tuple(x)
-        return [x[k] for k in keys], keys
-    if kind == OBJ:
-        d = x.__dict__
-        return list(d.values()), (type(x), tuple(d))
-    if kind == NAMEDTUPLE:
-        return list(x), type(x)
-    if kind == PYTREE:
-        return _pytree_children(x)
-    if kind == VIEW:
-        return [x.source], x.fn
-    # SLOTS dataclass
-    names = tuple(f.name for f in dataclasses.fields(x))
-    return [getattr(x, n) for n in names], (type(x), names)
+class _WalkError(Exception):
+    """An error met in the walk; the walk adds the path before raising it."""
+
+    def __init__(self, make_message: Callable[[str], str], exc_type: type = GraphError):
+        self.make_message = make_message
+        self.exc_type = exc_type
+
+    def finish(self, path: str) -> Exception:
+        return self.exc_type(self.make_message(path or "<root>"))
+
+
+_pytree_key_cache: dict = {}
+
+
+def _pytree_keys(meta: Any, n: int) -> list[str]:
+    """Keys of a JAX-registered node's children, read from a stand-in rebuilt from meta."""
+    try:
+        return _pytree_key_cache[(meta, n)]
+    except (KeyError, TypeError):
+        pass
+    keys = [f"[{i}]" for i in range(n)]
+    try:
+        stand_in = _pytree_def(meta, n).unflatten([0] * n)
+        with_keys = _registry.flatten_one_level_with_keys(stand_in)
+        if with_keys is not None and len(with_keys[0]) == n:
+            keys = [jax.tree_util.keystr((k,)) for k, _ in with_keys[0]]
+    except Exception:  # a node that cannot be rebuilt around stand-ins: positional keys
+        pass
+    try:
+        _pytree_key_cache[(meta, n)] = keys
+    except TypeError:
+        pass
+    return keys
+
+
+_leaf_def = jax.tree_util.tree_structure(0)
+
+
+def _pytree_def(meta: Any, n: int):
+    return jax.tree_util.PyTreeDef.from_node_data_and_children(_registry, meta, [_leaf_def] * n)
+
+
+# ---------------------------------------------------------------- strict equality of statics
+
+
+def _strict(v: Any) -> Any:
+    """A key that is equal only for values that rebuild identically: the type and, for
+    numbers, the bits (``-0.0`` differs from ``0.0``, ``1.0`` from ``1``, a NaN equals
+    itself). Tuples are compared element by element."""
+    t = type(v)
+    if t is str or t is int or v is None or t is bool:
+        return (t, v)
+    if t is float:
+        return (t, _pack_d(v))
+    if t is tuple:
+        return (t, tuple(map(_strict, v)))
+    if t is complex:
+        return (t, _pack_d(v.real), _pack_d(v.imag))
+    if isinstance(v, np.generic):
+        return (t, v.tobytes())
+    return (t, v)
+
+
+_pack_d = struct.Struct("<d").pack
+
+
+# ---------------------------------------------------------------- the GraphDef
 
 
 class GraphDef:
     """The structure of an object graph: node types, static leaves and every sharing.
 
     Produced by `flatten`, consumed by `unflatten`. Hashable; two graphs with the
-    same structure, sharing pattern and equal static leaves give equal GraphDefs.
+    same structure, sharing pattern and identical static leaves (same type, same
+    bits: ``-0.0`` differs from ``0.0``) give equal GraphDefs.
     """
 
-    __slots__ = (
-        "records",
-        "statics",
-        "root",
-        "num_leaves",
-        "_hash",
-        "_k",
-        "_plans",
-        "_places",
-        "_expanded",
-    )
+    __slots__ = ("records", "statics", "root", "num_leaves", "_hash", "_k", "_plans", "_places", "_expanded")
 
     def __init__(self, records: tuple, statics: tuple, root: int, num_leaves: int):
         self.records = records  # tuple of (kind, meta, child_refs) in first-seen order
@@ -303,8 +840,8 @@ class GraphDef:
             k = self._k = (
                 self.root,
                 self.num_leaves,
-                self.records,
-                tuple((type(s), s) for s in self.statics),
+                tuple((kind, _strict(meta), refs) for kind, meta, refs in self.records),
+                tuple(map(_strict, self.statics)),
             )
         return k
 
@@ -326,7 +863,7 @@ class GraphDef:
         if self._hash is not None and other._hash is not None and self._hash != other._hash:
             return False
         try:
-            return self._key() == other._key()
+            return bool(self._key() == other._key())
         except Exception:  # a static whose __eq__ fails or is ambiguous (an array)
             return False
 
@@ -337,8 +874,8 @@ class GraphDef:
                 hash(s)
             except TypeError:
                 return GraphError(
-                    f"{paths.statics[k]}: static field of type {type(s).__name__} is not hashable, "
-                    "but tied.jit and tied.Graph key their cache on static fields. Make it "
+                    f"{paths.statics[k] or '<root>'}: static field of type {type(s).__name__} is not "
+                    "hashable, but tied.jit and tied.Graph key their cache on static fields. Make it "
                     "hashable (a tuple instead of a list, a frozen dataclass), or hold it as an "
                     "array if it is data."
                 )
@@ -350,10 +887,33 @@ class GraphDef:
     # ------------------------------------------------ what the layers above may read
     # Everything outside the core reads a GraphDef through these names only.
 
+    def walk_places(self, *, expand_shared: bool = False) -> Iterator[Place]:
+        """Every place of the graph in walk order (depth first, children in order).
+
+        By default a shared node's children are visited under its first place
+        only (its later places are yielded with ``first=False``); with
+        ``expand_shared=True`` they are visited at every place, as in a tree
+        (a reference cycle is then a `GraphError`).
+        """
+        for path, depth, r, first, _, _ in _traverse(self, expand_shared):
+            q, m = divmod(r, 3)
+            if m == 0:
+                yield Place(path, depth, "array", q, first, None, None)
+            elif m == 2:
+                yield Place(path, depth, "static", q, True, None, self.statics[q])
+            else:
+                kind, meta, _ = self.records[q]
+                value = meta if kind == VIEW else None
+                yield Place(path, depth, KINDS[kind].name, q, first, KINDS[kind].type_of(meta), value)
+
     def leaf_paths(self) -> tuple[tuple[str, ...], ...]:
         """For each unique array (in `flatten` order), the keystr paths of all its places,
         in walk order. The root's own path is ``""``."""
         return tuple(tuple(p) for p in place_paths(self).leaves)
+
+    def node_paths(self) -> tuple[tuple[str, ...], ...]:
+        """For each node (in `walk_places` index order), the keystr paths of its places."""
+        return tuple(tuple(p) for p in place_paths(self).nodes)
 
     def shared_node_paths(self) -> list[tuple[str, ...]]:
         """The places of every container node reached from two or more places, in walk order."""
@@ -384,8 +944,16 @@ class GraphDef:
         return tuple((paths[k][0], i) for k, i in enumerate(place_leaf))
 
 
+# ---------------------------------------------------------------- flatten
+
+
 def flatten(tree: Any) -> tuple[list, GraphDef]:
     """Split an object graph into its unique arrays and its structure.
+
+    The result depends only on the graph given, never on what was flattened
+    before: leaves come in the walk's order (a registered object's fields in
+    assignment order, a dict's keys sorted when they can be), and static leaves
+    are recorded as they are (type and bits).
 
     Args:
         tree: any object graph: containers, dataclasses, JAX pytrees (Equinox
@@ -398,8 +966,8 @@ def flatten(tree: Any) -> tuple[list, GraphDef]:
         `GraphDef` recording structure, static leaves and sharing.
 
     Raises:
-        GraphError: an unregistered object holds arrays, or a reference cycle
-            passes through an immutable node; the message names the path.
+        GraphError: an object the walk cannot enter holds arrays, or a reference
+            cycle passes through an immutable node; the message names the path.
 
     Example:
         >>> d1 = Dense(w, b); d2 = Dense(d1.weight, d1.bias)
@@ -429,6 +997,14 @@ def plan_cache() -> PlanCache:
 
 _flatten_plans = plan_cache()
 
+# With TIED_CHECK_PLANS=1 (the test suite sets it), every compiled plan's result is
+# compared with the plain walk's, and a plan that gives up must be right to.
+CHECK_PLANS = os.environ.get("TIED_CHECK_PLANS", "") not in ("", "0")
+
+
+class PlanMismatch(AssertionError):
+    """A compiled plan disagreed with the plain walk (a bug in tied; please report it)."""
+
 
 def flatten_with(tree: Any, cache: PlanCache) -> tuple[list, GraphDef]:
     """`flatten`, trying the compiled plans of ``cache`` first (see _plan.py)."""
@@ -437,9 +1013,34 @@ def flatten_with(tree: Any, cache: PlanCache) -> tuple[list, GraphDef]:
         for gdef, plan in plans:
             leaves = plan(tree)
             if leaves is not None:
+                if CHECK_PLANS:
+                    _check_plan_hit(tree, leaves, gdef)
                 return leaves, gdef
     leaves, gdef = _walk(tree)
+    if CHECK_PLANS and plans:
+        for pgdef, plan in plans:
+            if pgdef == gdef:
+                raise PlanMismatch(
+                    f"a compiled flatten plan gave up on a graph of its own structure ({gdef}): "
+                    f"{_why_plan_missed(plan, tree)}"
+                )
     return leaves, _maybe_plan(tree, gdef, cache)
+
+
+def _why_plan_missed(plan: Any, tree: Any) -> str:
+    import traceback
+
+    try:
+        plan.__globals__["plan"](tree)
+    except Exception as e:
+        return "".join(traceback.format_exception(e)[-3:]) + "\n" + plan.__tied_source__
+    return "it did not miss when run again"
+
+
+def _check_plan_hit(tree: Any, leaves: list, gdef: GraphDef) -> None:
+    wl, wg = _walk(tree)
+    if not (wg == gdef and len(wl) == len(leaves) and all(a is b for a, b in zip(wl, leaves))):
+        raise PlanMismatch(f"a compiled flatten plan disagrees with the walk: {gdef} vs {wg}")
 
 
 # A structure gets a plan the second time the walk meets it; `_seen_once` also
@@ -458,9 +1059,10 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
     except GraphError:  # unhashable static: no plan, the walk stays in charge
         return gdef
     if first is None:
-        if len(_seen_once) > 1024:
-            _seen_once.clear()
-        _seen_once[gdef] = gdef
+        with _cache_lock:
+            if len(_seen_once) > 1024:
+                _seen_once.clear()
+            _seen_once[gdef] = gdef
         return gdef
     plan = compile_flatten(first)
     if plan is not None:
@@ -472,6 +1074,7 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:
+    """The plain walk, iterative (any depth): the one place where sharing is decided."""
     leaves: list = []
     records: list = []
     statics: list = []
@@ -482,8 +1085,11 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     alive: list = []
     kind_of = _kind
     get = memo.get
+    # A frame: [record index, kind, meta, children, next child, refs so far].
+    stack: list[list] = []
 
-    def visit(x: Any) -> int:
+    def enter(x: Any) -> int | None:
+        """The reference of ``x`` if it is finished at once, else None (a frame was pushed)."""
         k = kind_of(x)
         if k is _ARRAY:
             r = get(id(x))
@@ -497,11 +1103,15 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
                 _unknown_static(x)
             statics.append(x)
             return 3 * len(statics) - 1
-        if (k is TUPLE or k is NAMEDTUPLE) and all(kind_of(c) is _STATIC for c in x):
+        if (k == TUPLE or k == NAMEDTUPLE) and all(kind_of(c) is _STATIC for c in x):
             # A tuple of static values is a value: Python reuses such tuples (`()`,
             # constants), so their identity says nothing. One record per place.
             j = len(records)
-            records.append((k, *_node_children(k, x)[1:], tuple(visit(c) for c in x)))
+            refs = []
+            for c in x:
+                statics.append(c)
+                refs.append(3 * len(statics) - 1)
+            records.append((k, KINDS[k].children(x)[1], tuple(refs)))
             return 3 * j + 1
         r = get(id(x))
         if r is not None:
@@ -512,30 +1122,39 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         r = 3 * j + 1
         memo[id(x)] = r
         records.append(None)
-        children, meta = _node_children(k, x)
+        children, meta = KINDS[k].children(x)
         if k == PYTREE:
             alive.append(children)
-        if k >= TUPLE:
+        if k not in _MUTABLE:
             open_immutable.add(r)
-        refs = []
-        for i, c in enumerate(children):
-            try:
-                refs.append(visit(c))
-            except _WalkError as e:
-                e.keys.append(_child_key(k, meta, i, len(children)))
-                raise
-            except RecursionError:
-                raise _WalkError(_too_deep) from None
-        if k >= TUPLE:
-            open_immutable.discard(r)
-        records[j] = (k, meta, tuple(refs))
-        return r
+        stack.append([j, k, meta, children, 0, []])
+        return None
 
     try:
-        root = visit(tree)
+        result = enter(tree)
+        while stack:
+            frame = stack[-1]
+            children, i = frame[3], frame[4]
+            if i < len(children):
+                frame[4] = i + 1
+                r = enter(children[i])
+                if r is not None:
+                    frame[5].append(r)
+                continue
+            stack.pop()
+            j, k, meta, _, _, refs = frame
+            records[j] = (k, meta, tuple(refs))
+            r = 3 * j + 1
+            if k not in _MUTABLE:
+                open_immutable.discard(r)
+            if stack:
+                stack[-1][5].append(r)
+            else:
+                result = r
     except _WalkError as e:
-        raise e.finish() from None
-    return leaves, GraphDef(tuple(records), tuple(statics), root, len(leaves))
+        path = "".join(KINDS[f[1]].key(f[2], f[4] - 1, len(f[3])) for f in stack)
+        raise e.finish(path) from None
+    return leaves, GraphDef(tuple(records), tuple(statics), result, len(leaves))
 
 
 def untracked(record: tuple) -> bool:
@@ -546,10 +1165,6 @@ def untracked(record: tuple) -> bool:
 
 def _article(noun: str) -> str:
     return ("an " if noun[0] in "aeiou" else "a ") + noun
-
-
-def _too_deep(path: str) -> str:
-    return f"{path}: the graph is nested too deeply for Python's recursion limit."
 
 
 def _cycle_error(kind: int) -> None:
@@ -566,50 +1181,155 @@ def _cycle_error(kind: int) -> None:
     raise _WalkError(message)
 
 
-def _child_key(kind: int, meta: Any, i: int, n: int) -> str:
-    """The keystr piece for child ``i`` of a node, as ``jax.tree_util.keystr`` writes it."""
-    if kind in (LIST, TUPLE):
-        return f"[{i}]"
-    if kind == DICT:
-        return f"[{meta[i]!r}]"
-    if kind in (OBJ, SLOTS):
-        return f".{meta[1][i]}"
-    if kind == NAMEDTUPLE:
-        return f".{meta._fields[i]}"
-    if kind == VIEW:
-        return ".source"
-    return _pytree_keys(meta, n)[i]
+# ---------------------------------------------------------------- the one traversal of a GraphDef
 
 
-_pytree_key_cache: dict = {}
+def _traverse(gdef: GraphDef, expand_shared: bool = False) -> Iterator[tuple]:
+    """``(path, depth, ref, first, parent, position)`` for every place of ``gdef``, in the
+    walk's order (the root has parent -1).
+
+    A node's children are visited at its first place only, unless ``expand_shared``
+    (then at every place; a cycle is a `GraphError`). Iterative, so any depth.
+    """
+    records = gdef.records
+    seen: set[int] = set()
+    on_path: set[int] = set()
+    root = gdef.root
+    yield "", 0, root, True, -1, 0
+    if root % 3 != 1:
+        return
+    seen.add(root)
+    on_path.add(root)
+    # A frame: [node, next child, path, depth of its children].
+    stack: list[list] = [[root // 3, 0, "", 1]]
+    while stack:
+        frame = stack[-1]
+        j, i, path, depth = frame
+        kind, meta, refs = records[j]
+        if i >= len(refs):
+            stack.pop()
+            on_path.discard(3 * j + 1)
+            continue
+        frame[1] = i + 1
+        r = refs[i]
+        child = path + KINDS[kind].key(meta, i, len(refs))
+        if r % 3 == 2:
+            yield child, depth, r, True, j, i
+            continue
+        first = r not in seen
+        seen.add(r)
+        if r % 3 == 0:
+            yield child, depth, r, first, j, i
+            continue
+        if expand_shared and r in on_path:
+            raise GraphError(
+                f"{child}: this node is on a reference cycle, so it has infinitely many places "
+                "and per-place values cannot be formed. Use the aliased totals "
+                "(per_location=False)."
+            )
+        yield child, depth, r, first, j, i
+        if first or expand_shared:
+            on_path.add(r)
+            stack.append([r // 3, 0, child, depth + 1])
 
 
-def _pytree_keys(meta: Any, n: int) -> list[str]:
-    """Keys of a JAX-registered node's children, read from a stand-in rebuilt from meta."""
-    try:
-        return _pytree_key_cache[(meta, n)]
-    except (KeyError, TypeError):
-        pass
-    keys = [f"[{i}]" for i in range(n)]
-    try:
-        stand_in = _pytree_def(meta, n).unflatten([0] * n)
-        with_keys = _registry.flatten_one_level_with_keys(stand_in)
-        if with_keys is not None and len(with_keys[0]) == n:
-            keys = [jax.tree_util.keystr((k,)) for k, _ in with_keys[0]]
-    except Exception:
-        pass
-    try:
-        _pytree_key_cache[(meta, n)] = keys
-    except TypeError:
-        pass
-    return keys
+class _Places:
+    """Every place of a graph, in walk order: where each leaf, node and static sits."""
+
+    __slots__ = ("leaves", "nodes", "statics", "order")
+
+    def __init__(self, leaves, nodes, statics, order):
+        self.leaves = leaves  # leaf index -> list of paths
+        self.nodes = nodes  # node index -> list of paths
+        self.statics = statics  # static index -> path
+        self.order = order  # refs in first-seen order (leaves and nodes)
 
 
-_leaf_def = jax.tree_util.tree_structure(0)
+def place_paths(graphdef: GraphDef) -> _Places:
+    """All places of every leaf, node and static of a graph, as keystr paths."""
+    if graphdef._places is not None:
+        return graphdef._places
+    leaf_paths: list[list[str]] = [[] for _ in range(graphdef.num_leaves)]
+    node_paths: list[list[str]] = [[] for _ in graphdef.records]
+    static_paths: list[str] = [""] * len(graphdef.statics)
+    order: list[int] = []
+    for path, _, r, _, _, _ in _traverse(graphdef):
+        q, m = divmod(r, 3)
+        if m == 2:
+            static_paths[q] = path
+            continue
+        lst = leaf_paths[q] if m == 0 else node_paths[q]
+        if not lst:
+            order.append(r)
+        lst.append(path)
+    result = _Places(leaf_paths, node_paths, static_paths, order)
+    graphdef._places = result
+    return result
 
 
-def _pytree_def(meta: Any, n: int):
-    return jax.tree_util.PyTreeDef.from_node_data_and_children(_registry, meta, [_leaf_def] * n)
+def ties(tree: Any) -> list[tuple[str, ...]]:
+    """The sharing in a graph: one tuple per object reached from two or more places.
+
+    Arrays and container nodes both count; static leaves never tie. Paths are
+    written as ``jax.tree_util.keystr`` writes key paths, in first-seen order.
+    The places of a shared node's children are listed under its first place.
+
+    Example:
+        >>> d = Dense(w, b)
+        >>> tied.ties(Chain(d, d))
+        [('.layers[0]', '.layers[1]')]
+    """
+    _, gdef = flatten(tree)
+    places = place_paths(gdef)
+    out = []
+    for r in places.order:
+        q, m = divmod(r, 3)
+        paths = places.leaves[q] if m == 0 else places.nodes[q]
+        if len(paths) > 1:
+            out.append(tuple(p or "<root>" for p in paths))
+    return out
+
+
+def expand(graphdef: GraphDef) -> tuple[GraphDef, tuple[int, ...]]:
+    """The graph unrolled into a tree: one node or leaf per *place*.
+
+    Returns the tree's GraphDef and, for each of its leaves (one per place of an
+    array), the index of the unique array that stands there. Used for
+    per-place gradients and for reading a tree shaped like the model.
+    """
+    if graphdef._expanded is not None:
+        return graphdef._expanded
+    records = graphdef.records
+    new_records: list = []
+    new_refs: list[list] = []
+    place_leaf: list[int] = []
+    # The pre-order of `_traverse` with expand_shared: a node's children follow it, so a
+    # stack of the open new nodes (by depth) tells each place's parent.
+    open_nodes: list[int] = []
+    root_ref = None
+    for _, depth, r, _, _, _ in _traverse(graphdef, expand_shared=True):
+        del open_nodes[depth:]
+        q, m = divmod(r, 3)
+        if m == 0:
+            ref = 3 * len(place_leaf)
+            place_leaf.append(q)
+        elif m == 2:
+            ref = r
+        else:
+            ref = 3 * len(new_records) + 1
+            kind, meta, _ = records[q]
+            new_records.append((kind, meta))
+            new_refs.append([])
+        if depth == 0:
+            root_ref = ref
+        else:
+            new_refs[open_nodes[depth - 1]].append(ref)
+        if m == 1:
+            open_nodes.append(ref // 3)
+    records_out = tuple((k, meta, tuple(refs)) for (k, meta), refs in zip(new_records, new_refs))
+    tree_def = GraphDef(records_out, graphdef.statics, root_ref, len(place_leaf))
+    graphdef._expanded = (tree_def, tuple(place_leaf))
+    return graphdef._expanded
 
 
 # ---------------------------------------------------------------- rebuilding
@@ -651,19 +1371,12 @@ def _rebuild_plan(gdef: GraphDef) -> tuple:
 
 
 def _make(kind: int, meta: Any, children: list, materialize: bool) -> Any:
-    if kind == TUPLE:
-        return tuple(children)
-    if kind == NAMEDTUPLE:
-        return meta(*children)
-    if kind == PYTREE:
-        return _pytree_def(meta, len(children)).unflatten(children)
-    # VIEW
-    if materialize:
+    if kind == VIEW and materialize:
         try:
             return meta(children[0])
         except Exception as e:
             raise _view_error(meta, children[0], e) from e
-    return View(children[0], meta)
+    return KINDS[kind].make(meta, children)
 
 
 def _view_error(fn, source, e) -> GraphError:
@@ -675,24 +1388,10 @@ def _view_error(fn, source, e) -> GraphError:
     )
 
 
-def _shell(kind: int, meta: Any) -> Any:
-    if kind == LIST:
-        return []
-    if kind == DICT:
-        return {}
-    return object.__new__(meta[0])
-
-
-def _fill(kind: int, meta: Any, obj: Any, children: list) -> None:
-    if kind == LIST:
-        obj.extend(children)
-    elif kind == DICT:
-        obj.update(zip(meta, children))
-    elif kind == OBJ:
-        obj.__dict__.update(zip(meta[1], children))
-    else:
-        for name, c in zip(meta[1], children):
-            object.__setattr__(obj, name, c)
+def view_failed(gdef: GraphDef, j: int, fn: Any, source: Any, e: Exception) -> GraphError:
+    """The error for view node ``j`` whose function failed, naming the view's path."""
+    where = place_paths(gdef).nodes[j][0] or "<root>"
+    return GraphError(f"{where}: {_view_error(fn, source, e)}")
 
 
 def unflatten(graphdef: GraphDef, leaves: Any) -> Any:
@@ -736,11 +1435,15 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
             from ._plan import compile_unflatten
 
             build = plans[materialize] = compile_unflatten(graphdef, materialize)
-    if build is not None:
-        try:
-            return build(leaves, statics)
-        except Exception:
-            pass  # a view function failed: the walk below names the path
+    if build:  # False: too large to compile (see _plan.py)
+        out = build(leaves, statics)
+        if CHECK_PLANS:
+            _check_rebuild(graphdef, leaves, statics, materialize, out)
+        return out
+    return _rebuild(graphdef, leaves, statics, materialize)
+
+
+def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) -> Any:
     records = graphdef.records
     built: list = [None] * len(records)
     mutable, post = _rebuild_plan(graphdef)
@@ -755,140 +1458,34 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
 
     for j in mutable:
         kind, meta, _ = records[j]
-        built[j] = _shell(kind, meta)
+        built[j] = KINDS[kind].shell(meta)
     for j in post:
         kind, meta, refs = records[j]
-        try:
-            built[j] = _make(kind, meta, [value(r) for r in refs], materialize)
-        except GraphError as e:  # a failing view function: say where the view sits
-            where = place_paths(graphdef).nodes[j][0] or "<root>"
-            raise GraphError(f"{where}: {e}") from e.__cause__
+        children = [value(r) for r in refs]
+        if kind == VIEW and materialize:
+            try:
+                built[j] = meta(children[0])
+            except Exception as e:
+                raise view_failed(graphdef, j, meta, children[0], e) from e
+        else:
+            built[j] = KINDS[kind].make(meta, children)
     for j in mutable:
         kind, meta, refs = records[j]
-        _fill(kind, meta, built[j], [value(r) for r in refs])
+        KINDS[kind].fill(meta, built[j], [value(r) for r in refs])
     return value(graphdef.root)
 
 
-# ---------------------------------------------------------------- places and paths
+def _check_rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool, out: Any) -> None:
+    ref = _rebuild(graphdef, leaves, statics, materialize)
+    if materialize or statics is not graphdef.statics:
+        return  # materialised views and stand-in statics are not walked back; the build ran
+    wl, wg = _walk(out)
+    rl, rg = _walk(ref)
+    if not (wg == rg and len(wl) == len(rl) and all(a is b for a, b in zip(wl, rl))):
+        raise PlanMismatch(f"a compiled unflatten plan disagrees with the walk: {graphdef}")
 
 
-class _Places:
-    """Every place of a graph, in walk order: where each leaf, node and static sits."""
-
-    __slots__ = ("leaves", "nodes", "statics", "order")
-
-    def __init__(self, leaves, nodes, statics, order):
-        self.leaves = leaves  # leaf index -> list of paths
-        self.nodes = nodes  # node index -> list of paths
-        self.statics = statics  # static index -> path
-        self.order = order  # refs in first-seen order (leaves and nodes)
-
-
-def place_paths(graphdef: GraphDef) -> _Places:
-    """All places of every leaf, node and static of a graph, as keystr paths."""
-    if graphdef._places is not None:
-        return graphdef._places
-    records = graphdef.records
-    leaf_paths: list[list[str]] = [[] for _ in range(graphdef.num_leaves)]
-    node_paths: list[list[str]] = [[] for _ in records]
-    static_paths: list[str] = [""] * len(graphdef.statics)
-    order: list[int] = []
-
-    def place(r: int, path: str) -> bool:
-        q, m = divmod(r, 3)
-        if m == 2:
-            static_paths[q] = path
-            return False
-        lst = leaf_paths[q] if m == 0 else node_paths[q]
-        if not lst:
-            order.append(r)
-        lst.append(path)
-        return m == 1 and len(lst) == 1
-
-    # Depth first with an explicit stack, children in order, as the walk went.
-    root = graphdef.root
-    stack: list[tuple[int, int, str]] = []
-    if place(root, ""):
-        stack.append((root // 3, 0, ""))
-    while stack:
-        j, i, path = stack.pop()
-        kind, meta, refs = records[j]
-        if i < len(refs):
-            stack.append((j, i + 1, path))
-            child_path = path + _child_key(kind, meta, i, len(refs))
-            if place(refs[i], child_path):
-                stack.append((refs[i] // 3, 0, child_path))
-    result = _Places(leaf_paths, node_paths, static_paths, order)
-    graphdef._places = result
-    return result
-
-
-def ties(tree: Any) -> list[tuple[str, ...]]:
-    """The sharing in a graph: one tuple per object reached from two or more places.
-
-    Arrays and container nodes both count; static leaves never tie. Paths are
-    written as ``jax.tree_util.keystr`` writes key paths, in first-seen order.
-    The places of a shared node's children are listed under its first place.
-
-    Example:
-        >>> d = Dense(w, b)
-        >>> tied.ties(Chain(d, d))
-        [('.layers[0]', '.layers[1]')]
-    """
-    _, gdef = flatten(tree)
-    places = place_paths(gdef)
-    out = []
-    for r in places.order:
-        q, m = divmod(r, 3)
-        paths = places.leaves[q] if m == 0 else places.nodes[q]
-        if len(paths) > 1:
-            out.append(tuple(p or "<root>" for p in paths))
-    return out
-
-
-# ---------------------------------------------------------------- the expanded tree
-
-
-def expand(graphdef: GraphDef) -> tuple[GraphDef, tuple[int, ...]]:
-    """The graph unrolled into a tree: one node or leaf per *place*.
-
-    Returns the tree's GraphDef and, for each of its leaves (one per place of an
-    array), the index of the unique array that stands there. Used for
-    per-place gradients and for reading a tree shaped like the model.
-    """
-    if graphdef._expanded is not None:
-        return graphdef._expanded
-    records = graphdef.records
-    new_records: list = []
-    place_leaf: list[int] = []
-    open_nodes: set[int] = set()
-
-    def walk(r: int) -> int:
-        q, m = divmod(r, 3)
-        if m == 0:
-            place_leaf.append(q)
-            return 3 * (len(place_leaf) - 1)
-        if m == 2:
-            return r
-        if q in open_nodes:
-            raise GraphError(
-                f"{place_paths(graphdef).nodes[q][0] or '<root>'}: this node is on a reference "
-                "cycle, so it has infinitely many places and per-place values cannot be "
-                "formed. Use the aliased totals (per_location=False)."
-            )
-        open_nodes.add(q)
-        kind, meta, refs = records[q]
-        j = len(new_records)
-        new_records.append(None)
-        new_refs = tuple(walk(c) for c in refs)
-        new_records[j] = (kind, meta, new_refs)
-        open_nodes.discard(q)
-        return 3 * j + 1
-
-    root = walk(graphdef.root)
-    tree_def = GraphDef(tuple(new_records), graphdef.statics, root, len(place_leaf))
-    graphdef._expanded = (tree_def, tuple(place_leaf))
-    return graphdef._expanded
+# ---------------------------------------------------------------- reading a mirror tree
 
 
 def read_places(
@@ -908,18 +1505,11 @@ def read_places(
     Reference cycles are followed once. An object for which ``broadcast`` is
     true stands, like ``None``, for a whole subtree: it is found at every array
     place below (a sharding given for a whole layer, say). ``what`` and
-    ``hint`` name the tree in error messages.
+    ``hint`` name the tree in error messages. Iterative, so any depth.
     """
     records = graphdef.records
     found: list[list] = [[] for _ in range(graphdef.num_leaves)]
-    open_nodes: set[int] = set()
-    paths = None
-
-    def path_of(j: int, i: int) -> str:
-        nonlocal paths
-        paths = paths or place_paths(graphdef)
-        kind, meta, refs = records[j]
-        return (paths.nodes[j][0] if paths.nodes[j] else "") + _child_key(kind, meta, i, len(refs))
+    on_path: set[int] = set()
 
     def mismatch(where: str, expected: str, got: Any) -> GraphError:
         return GraphError(
@@ -928,47 +1518,59 @@ def read_places(
             f"({hint})."
         )
 
-    def visit(r: int, obj: Any, where: Callable[[], str]) -> None:
+    # A frame: [node, its refs, the mirror's children (or a broadcast object), next, path].
+    stack: list[list] = []
+
+    def render(p: Any) -> str:
+        keys = []
+        while p is not None:
+            p, q, i = p
+            kind, meta, refs = records[q]
+            keys.append(KINDS[kind].key(meta, i, len(refs)))
+        return "".join(reversed(keys))
+
+    def visit(r: int, obj: Any, path: Any) -> None:
         q, m = divmod(r, 3)
         if m == 2:
             return
         if m == 0:
             found[q].append(obj)
             return
-        if q in open_nodes:  # a cycle: its places were read on the way in
+        if q in on_path:  # a cycle: its places were read on the way in
             return
         kind, meta, refs = records[q]
         if obj is None or (broadcast is not None and broadcast(obj)):
-            open_nodes.add(q)  # a cycle below ends here too
-            for c in refs:
-                visit(c, obj, where)
-            open_nodes.discard(q)
-            return
-        try:
-            if kind in (LIST, TUPLE, NAMEDTUPLE):
-                children = list(obj)
-                if len(children) != len(refs):
-                    raise mismatch(where(), f"a sequence of length {len(refs)}", obj)
-            elif kind == DICT:
-                children = [obj[k] for k in meta]
-            elif kind in (OBJ, SLOTS):
-                children = [getattr(obj, n) for n in meta[1]]
-            elif kind == VIEW:
-                if type(obj) is not View:
-                    raise mismatch(where(), "a tied.View (the gradient of a view's source)", obj)
-                children = [obj.source]
-            else:
-                children = list(_registry.flatten_one_level(obj)[0])
-                if len(children) != len(refs):
-                    raise mismatch(where(), f"a {meta[0].__name__} with {len(refs)} children", obj)
-        except (KeyError, AttributeError, TypeError) as e:
-            if isinstance(e, GraphError):
-                raise
-            raise mismatch(where(), f"{_article(_KIND_NAMES[kind])} like the model's", obj) from None
-        open_nodes.add(q)
-        for i, (c, x) in enumerate(zip(refs, children)):
-            visit(c, x, lambda q=q, i=i: path_of(q, i))
-        open_nodes.discard(q)
+            children: Any = _Broadcast(obj)
+        else:
+            try:
+                children = KINDS[kind].mirror(meta, obj, len(refs))
+            except _Mismatch as e:
+                raise mismatch(render(path), e.expected, obj) from None
+            except (KeyError, AttributeError, TypeError, IndexError) as e:
+                if isinstance(e, GraphError):
+                    raise
+                raise mismatch(render(path), f"{_article(KINDS[kind].name)} like the model's", obj) from None
+            if len(children) != len(refs):
+                raise mismatch(render(path), f"{_article(KINDS[kind].name)} with {len(refs)} children", obj)
+        on_path.add(q)
+        stack.append([q, refs, children, 0, path])
 
-    visit(graphdef.root, other, lambda: "")
+    visit(graphdef.root, other, None)
+    while stack:
+        frame = stack[-1]
+        q, refs, children, i, path = frame
+        if i >= len(refs):
+            stack.pop()
+            on_path.discard(q)
+            continue
+        frame[3] = i + 1
+        x = children.obj if type(children) is _Broadcast else children[i]
+        visit(refs[i], x, (path, q, i))
     return found
+
+
+class _Broadcast:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj

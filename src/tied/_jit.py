@@ -43,11 +43,13 @@ class Graph:
 
     def __init__(self, value: Any):
         self.leaves, self.graphdef = flatten(value)
-        self._value = value
+        self._value = _MISSING  # a snapshot: never the object passed in, which may change
 
     @property
     def value(self) -> Any:
-        """The wrapped object graph (rebuilt, with its ties, from the leaves when needed)."""
+        """The wrapped object graph as it was when the Graph was made: rebuilt, with its
+        ties, from the same arrays JAX sees (never the object passed in, which may have
+        been changed in place since)."""
         v = self._value
         if v is _MISSING:
             v = self._value = _unflatten(self.graphdef, self.leaves)

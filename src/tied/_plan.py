@@ -3,10 +3,18 @@
 The generic walk in `_graph` dispatches on every object it meets. Once a
 structure has been seen twice, we generate code that does exactly that
 structure's work: for flatten, a *guarded* plan that checks every fact the walk
-would have established (each node's type, arity and keys, each static's value,
-which places hold the same object and that all others are distinct) and gives
-up (returns None) at the first difference, so a plan can never hand back a
-stale structure; for unflatten, the constructor calls in build order.
+would have established (each node's type, arity, keys and their order, each
+static's type and bits, which places hold the same object and that all others
+are distinct) and gives up (returns None) at the first difference, so a plan can
+never hand back a stale structure; for unflatten, the constructor calls in build
+order.
+
+The generated source is kept on the function (``__tied_source__``) and
+registered with `linecache`, so a traceback through a plan shows its lines.
+Plans are bounded in size (`MAX_PLAN_PLACES`): compiling Python costs far more
+per line than walking a place, so a very wide graph stays with the walk. With
+``TIED_CHECK_PLANS=1`` (the test suite sets it) `_graph` checks every plan
+against the plain walk.
 
 This file decides nothing about sharing: it replays decisions recorded in a
 GraphDef by the walk.
@@ -14,7 +22,9 @@ GraphDef by the walk.
 
 from __future__ import annotations
 
+import itertools
 import keyword
+import linecache
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -22,36 +32,35 @@ from typing import Any
 from . import _graph as g
 from ._view import View
 
+# Python's compile() costs some 50 to 100 times a walk step per generated line, so a
+# plan for a graph with more places than this would cost more to build than it saves
+# on the next several calls; such graphs are always walked.
+MAX_PLAN_PLACES = 4096
+
 
 class _Miss(Exception):
     """The graph differs from the plan's GraphDef."""
 
 
+# What reading a changed graph with an old plan can raise (a missing key or
+# attribute, indexing the wrong type); anything else is a bug and propagates.
 _FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
+
+_counter = itertools.count()
+
+
+def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
+    filename = f"<tied {name} plan {next(_counter)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), ns)
+    out = ns[fn]
+    out.__tied_source__ = source
+    return out
 
 
 def _walk_order(gdef: g.GraphDef) -> list[tuple[int, int, int]]:
     """(parent node, child position, ref) for every place, in the walk's order."""
-    records = gdef.records
-    out: list[tuple[int, int, int]] = []
-    seen: set[int] = set()
-    stack: list[tuple[int, int]] = []
-    root = gdef.root
-    out.append((-1, 0, root))
-    if root % 3 == 1:
-        seen.add(root // 3)
-        stack.append((root // 3, 0))
-    while stack:
-        j, i = stack.pop()
-        refs = records[j][2]
-        if i < len(refs):
-            stack.append((j, i + 1))
-            r = refs[i]
-            out.append((j, i, r))
-            if r % 3 == 1 and r // 3 not in seen:
-                seen.add(r // 3)
-                stack.append((r // 3, 0))
-    return out
+    return [(parent, i, r) for _, _, r, _, parent, i in g._traverse(gdef)]
 
 
 def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
@@ -59,19 +68,24 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
-    leaves and of the attribute-holding nodes, the sizes of their ``__dict__``, the
-    static values (and their types), and that the objects that were distinct are
+    leaves and of the attribute-holding nodes, their field names in order, the
+    static values (type and bits), and that the objects that were distinct are
     still distinct. Reading before checking only ever indexes a dict or a list, or
-    reads ``__dict__``: nodes whose reading could run user code (slotted
-    dataclasses, JAX-registered nodes, views) are type-checked before.
+    reads ``__dict__``: nodes whose reading could run user code (slotted classes,
+    JAX-registered nodes, views) are type-checked before.
     """
     for s in gdef.statics:
         if g._type_cache.get(type(s)) is not g._STATIC:
             return None  # an object whose arrays the walk must look for each time
+    order = _walk_order(gdef)
+    if len(order) > MAX_PLAN_PLACES:
+        return None
     records = gdef.records
-    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View}
+    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View, "STRICT": g._strict}
     ns["is_"], ns["is_not"] = operator.is_, operator.is_not
     ns["FOL"] = g._registry.flatten_one_level
+    ns["chain"] = itertools.chain
+    ns["STR"] = frozenset((str,))
     lines = ["def plan(root):"]
     emit = lines.append
     counter = [0]
@@ -89,14 +103,14 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     statics: list[str] = []  # locals holding static values, in order
     static_values: list[Any] = []
     tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
-    deferred_types: list[tuple[str, Any]] = []  # (local, expected type) for OBJ nodes
-    deferred_lens: list[tuple[str, int]] = []
+    objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
+    str_dicts: list[str] = []  # dicts whose keys must all be exactly str
     bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
 
     def tup(names: list[str]) -> str:
         return "(" + "".join(f"{x}, " for x in names) + ")"
 
-    for parent, i, r in _walk_order(gdef):
+    for parent, i, r in order:
         if parent in bulk:
             continue
         expr = "root" if parent < 0 else child_expr[parent][i]
@@ -105,77 +119,93 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             statics.append(f"s{q}")
             static_values.append(gdef.statics[q])
             emit(f" s{q} = {expr}")
-        elif m == 0:
+            continue
+        if m == 0:
             if q in seen_leaf:
                 emit(f" if {expr} is not l{q}: raise M")
             else:
                 seen_leaf.add(q)
                 emit(f" l{q} = {expr}")
-        elif q in seen_node:  # a later place of a node: the same object
+            continue
+        if q in seen_node:  # a later place of a node: the same object
             emit(f" if {expr} is not n{q}: raise M")
-        else:
-            seen_node.add(q)
-            kind, meta, refs = records[q]
-            n = len(refs)
-            v = f"n{q}"
-            emit(f" {v} = {expr}")
-            if not g.untracked(records[q]):
-                tracked_nodes.append((v, records[q]))
-            if kind == g.LIST or kind == g.TUPLE:
-                typ = "list" if kind == g.LIST else "tuple"
-                emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
-                child_expr[q] = [f"{v}[{k}]" for k in range(n)]
-                leaf_qs = [c // 3 for c in refs if c % 3 == 0]
-                if n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
-                    if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
-                        known = tup([f"l{c}" for c in leaf_qs])
-                        emit(f" if not all(map(is_, {v}, {known})): raise M")
-                        bulk.add(q)
-                    elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
-                        emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
-                        seen_leaf.update(leaf_qs)
-                        bulk.add(q)
-            elif kind == g.DICT:
-                keys = const(meta, "K")
-                emit(f" if type({v}) is not dict or len({v}) != {n}: raise M")
-                child_expr[q] = [f"{v}[{keys}[{k}]]" for k in range(n)]
-            elif kind == g.OBJ:
-                deferred_types.append((v, meta[0]))
-                deferred_lens.append((f"d{q}", n))
-                emit(f" d{q} = {v}.__dict__")
-                child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
-            elif kind == g.SLOTS:
-                t = const(meta[0], "T")
-                emit(f" if type({v}) is not {t}: raise M")
-                child_expr[q] = [f"getattr({v}, {name!r})" for name in meta[1]]
-            elif kind == g.NAMEDTUPLE:
-                t = const(meta, "T")
-                emit(f" if type({v}) is not {t} or len({v}) != {n}: raise M")
-                child_expr[q] = [f"{v}[{k}]" for k in range(n)]
-            elif kind == g.PYTREE:
-                t = const(meta[0], "T")
-                aux = const(meta[1], "AUX")
-                emit(f" if type({v}) is not {t}: raise M")
-                emit(f" c{q}, a{q} = FOL({v})")
-                emit(f" if len(c{q}) != {n} or (a{q} is not {aux} and not (a{q} == {aux})): raise M")
-                child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
-            else:  # VIEW
-                fn = const(meta, "FN")
-                emit(f" if type({v}) is not View or ({v}.fn is not {fn} and not ({v}.fn == {fn})): raise M")
-                child_expr[q] = [f"{v}.source"]
+            continue
+        seen_node.add(q)
+        kind, meta, refs = records[q]
+        n = len(refs)
+        v = f"n{q}"
+        emit(f" {v} = {expr}")
+        if not g.untracked(records[q]):
+            tracked_nodes.append((v, records[q]))
+        if kind == g.LIST or kind == g.TUPLE:
+            typ = "list" if kind == g.LIST else "tuple"
+            emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
+            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+            leaf_qs = [c // 3 for c in refs if c % 3 == 0]
+            if n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
+                if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+                    known = tup([f"l{c}" for c in leaf_qs])
+                    emit(f" if not all(map(is_, {v}, {known})): raise M")
+                    bulk.add(q)
+                elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
+                    emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
+                    seen_leaf.update(leaf_qs)
+                    bulk.add(q)
+        elif kind == g.DICT:
+            keys = const(meta, "K")
+            emit(f" if type({v}) is not dict or len({v}) != {n}: raise M")
+            child_expr[q] = [f"{v}[{keys}[{k}]]" for k in range(n)]
+            if all(type(k) is str for k in meta):
+                if n:
+                    str_dicts.append(v)  # equal lookups of exact str keys: the same keys
+            else:  # 1 == 1.0 == True: compare the keys themselves, in the walk's order
+                sk = const(tuple(map(g._strict, meta)), "SK")
+                emit(f" if tuple(map(STRICT, DK({v}))) != {sk}: raise M")
+                ns["DK"] = g._dict_keys
+        elif kind == g.OBJ:
+            objects.append((v, f"d{q}", meta[0], meta[1]))
+            emit(f" d{q} = {v}.__dict__")
+            child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
+        elif kind == g.NAMEDTUPLE:
+            t = const(meta, "T")
+            emit(f" if type({v}) is not {t} or len({v}) != {n}: raise M")
+            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+        elif kind == g.PYTREE:
+            t = const(meta[0], "T")
+            aux = const(meta[1], "AUX")
+            saux = const(g._strict(meta[1]), "SAUX")
+            emit(f" if type({v}) is not {t}: raise M")
+            emit(f" c{q}, a{q} = FOL({v})")
+            emit(f" if len(c{q}) != {n} or (a{q} is not {aux} and STRICT(a{q}) != {saux}): raise M")
+            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
+        elif kind == g.VIEW:
+            fn = const(meta, "FN")
+            sfn = const(g._strict(meta), "SFN")
+            emit(f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M")
+            child_expr[q] = [f"{v}.source"]
+        else:  # any other kind: its own children(), its meta compared strictly
+            t = const(g.KINDS[kind].type_of(meta), "T")
+            ch = const(g.KINDS[kind].children, "CH")
+            smeta = const(g._strict(meta), "SM")
+            emit(f" if type({v}) is not {t}: raise M")
+            emit(f" c{q}, a{q} = {ch}({v})")
+            emit(f" if len(c{q}) != {n} or STRICT(a{q}) != {smeta}: raise M")
+            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
 
-    if deferred_types:
-        types = const(tuple(t for _, t in deferred_types), "TYPES")
-        emit(f" if tuple(map(type, {tup([v for v, _ in deferred_types])})) != {types}: raise M")
-        lens = const(tuple(n for _, n in deferred_lens), "LENS")
-        emit(f" if tuple(map(len, {tup([d for d, _ in deferred_lens])})) != {lens}: raise M")
+    if objects:
+        types = const(tuple(t for _, _, t, _ in objects), "TYPES")
+        emit(f" if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        # The fields in their order: the walk lists them in assignment order.
+        names = const(tuple(nm for _, _, _, nm in objects), "NAMES")
+        emit(f" if tuple(map(tuple, {tup([d for _, d, _, _ in objects])})) != {names}: raise M")
+    if str_dicts:
+        emit(f" if not STR.issuperset(map(type, chain{tup(str_dicts)})): raise M")
     if statics:
         values = const(tuple(static_values), "SV")
-        stypes = const(tuple(type(x) for x in static_values), "ST")
+        strict = const(tuple(map(g._strict, static_values)), "SS")
         emit(f" sv = {tup(statics)}")
-        # Equal values of another type (1 and True) differ; an identical object cannot.
-        retype = f"tuple(map(type, sv)) != {stypes}"
-        emit(f" if sv != {values} or (any(map(is_not, sv, {values})) and {retype}): raise M")
+        # An identical object is the same static; anything else must match in type and bits.
+        emit(f" if any(map(is_not, sv, {values})) and tuple(map(STRICT, sv)) != {strict}: raise M")
     emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
     emit(" if not AT.issuperset(map(type, out)): raise M")
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
@@ -188,26 +218,10 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     if len(by_id) > 1:
         emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
     emit(" return out")
-    body = "\n".join(lines)
-    wrapper = (
-        f"{body}\n"
-        "def guarded(root):\n"
-        " try:\n"
-        "  return plan(root)\n"
-        " except FAIL:\n"
-        "  return None\n"
-    )
+    lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
+    source = "\n".join(lines)
     ns["FAIL"] = _FAIL
-    exec(compile(wrapper, f"<tied flatten plan {id(gdef):x}>", "exec"), ns)
-    return ns["guarded"]
-
-
-def _leaf_place_counts(gdef: g.GraphDef) -> list[int]:
-    counts = [0] * gdef.num_leaves
-    for _, _, r in _walk_order(gdef):
-        if r % 3 == 0:
-            counts[r // 3] += 1
-    return counts
+    return _compile(source, "flatten", ns, "guarded")
 
 
 def _identity_hashed(record: tuple) -> bool:
@@ -233,11 +247,15 @@ def _plain_attributes(cls: type, names: tuple) -> bool:
     return True
 
 
-def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any]:
-    """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``."""
+def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any] | bool:
+    """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``
+    (False for a graph too large to be worth compiling: `unflatten` then walks)."""
     records = gdef.records
+    if len(records) + gdef.num_leaves > MAX_PLAN_PLACES:
+        return False
     mutable, post = g._rebuild_plan(gdef)
     ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
+    ns["VF"], ns["G"] = g.view_failed, gdef
     lines = ["def build(L, S):"]
     emit = lines.append
 
@@ -245,47 +263,61 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
         q, m = divmod(r, 3)
         return ("L[{}]", "n{}", "S[{}]")[m].format(q)
 
+    def args(refs: tuple) -> str:
+        return "(" + "".join(f"{ref(r)}, " for r in refs) + ")"
+
     for j in mutable:
         kind, meta, _ = records[j]
         if kind == g.LIST:
             emit(f" n{j} = []")
         elif kind == g.DICT:
             emit(f" n{j} = {{}}")
-        else:
+        elif kind in (g.OBJ, g.SLOTS):
             ns[f"T{j}"] = meta[0]
             emit(f" n{j} = new(T{j})")
+        else:
+            ns[f"SH{j}"], ns[f"M{j}"] = g.KINDS[kind].shell, meta
+            emit(f" n{j} = SH{j}(M{j})")
     for j in post:
         kind, meta, refs = records[j]
-        args = ", ".join(ref(r) for r in refs)
         if kind == g.TUPLE:
-            emit(f" n{j} = ({args}{',' if len(refs) == 1 else ''})")
+            emit(f" n{j} = {args(refs)}")
         elif kind == g.NAMEDTUPLE:
             ns[f"T{j}"] = meta
-            emit(f" n{j} = T{j}({args})")
+            emit(f" n{j} = T{j}(*{args(refs)})")
         elif kind == g.PYTREE:
             ns[f"P{j}"] = g._pytree_def(meta, len(refs))
-            emit(f" n{j} = P{j}.unflatten(({args}{',' if len(refs) == 1 else ''}))")
-        else:  # VIEW
+            emit(f" n{j} = P{j}.unflatten({args(refs)})")
+        elif kind == g.VIEW and materialize:
             ns[f"F{j}"] = meta
-            emit(f" n{j} = F{j}({args})" if materialize else f" n{j} = View({args}, F{j})")
+            emit(f" s{j} = {ref(refs[0])}")
+            emit(" try:")
+            emit(f"  n{j} = F{j}(s{j})")
+            emit(" except Exception as e:")
+            emit(f"  raise VF(G, {j}, F{j}, s{j}, e) from e")
+        elif kind == g.VIEW:
+            ns[f"F{j}"] = meta
+            emit(f" n{j} = View({ref(refs[0])}, F{j})")
+        else:
+            ns[f"MK{j}"], ns[f"M{j}"] = g.KINDS[kind].make, meta
+            emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
     for j in mutable:
         kind, meta, refs = records[j]
         if not refs:
             continue
         if kind == g.LIST:
-            emit(f" n{j}.extend(({', '.join(ref(r) for r in refs)},))")
+            emit(f" n{j}.extend({args(refs)})")
         elif kind == g.DICT:
             ns[f"K{j}"] = meta
-            emit(f" n{j}.update(zip(K{j}, ({', '.join(ref(r) for r in refs)},)))")
+            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
         elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
             for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
                 emit(f" n{j}.{name} = {ref(r)}")
         elif kind == g.OBJ:
-            items = ", ".join(f"{name!r}: {ref(r)}" for name, r in zip(meta[1], refs))
-            emit(f" n{j}.__dict__.update({{{items}}})")
+            ns[f"N{j}"] = meta[1]
+            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
         else:
-            for name, r in zip(meta[1], refs):
-                emit(f" setattr(n{j}, {name!r}, {ref(r)})")
+            ns[f"FL{j}"], ns[f"M{j}"] = g.KINDS[kind].fill, meta
+            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
     emit(f" return {ref(gdef.root)}")
-    exec(compile("\n".join(lines), f"<tied unflatten plan {id(gdef):x}>", "exec"), ns)
-    return ns["build"]
+    return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")
