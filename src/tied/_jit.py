@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, place_paths, plan_cache
+from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
 from ._sharding import _describe, _same_layout, leaf_shardings
 
 __all__ = ["Graph", "jit"]
@@ -77,11 +77,7 @@ def _normalise(nums: int | Sequence[int]) -> tuple[int, ...]:
 class _Compiled:
     """What one input structure compiles to: the jitted function and how to read its output."""
 
-    __slots__ = ("fn", "donated", "kept", "out", "lock", "in_specs")
-
-    def __init__(self):
-        self.out: dict = {}  # input avals -> output GraphDef (usually one entry)
-        self.lock = threading.Lock()
+    __slots__ = ("fn", "donated", "kept", "in_specs")
 
 
 def jit(
@@ -189,20 +185,16 @@ def jit(
         """Which unique leaves are donated: those held only by donated arguments."""
         if not (donate_nums or donate_names):
             return (), tuple(range(gdef.num_leaves))
-        args_ref, kwargs_ref = gdef.records[gdef.root // 3][2]
-        arg_refs = gdef.records[args_ref // 3][2]
-        kw_refs = gdef.records[kwargs_ref // 3][2] if kw_names else ()
-        kw_sorted = gdef.records[kwargs_ref // 3][1] if kw_names else ()
-        donated_refs, kept_refs = [], []
-        for i, r in enumerate(arg_refs):
-            is_donated = i in donate_nums or i - n_args in donate_nums
-            (donated_refs if is_donated else kept_refs).append(r)
-        for k, r in zip(kw_sorted, kw_refs):
-            (donated_refs if k in donate_names else kept_refs).append(r)
-        held_by_kept = _reachable_leaves(gdef, kept_refs)
-        donated = sorted(_reachable_leaves(gdef, donated_refs) - held_by_kept)
-        kept = [q for q in range(gdef.num_leaves) if q not in set(donated)]
-        return tuple(donated), tuple(kept)
+        donated, kept = set(), set()
+        for q, paths in enumerate(gdef.leaf_paths()):
+            for path in paths:
+                a = _argument_of(path)
+                donated_place = (a is not None and (a in donate_nums or a - n_args in donate_nums)) or (
+                    _keyword_of(path) in donate_names
+                )
+                (donated if donated_place else kept).add(q)
+        donated -= kept  # an array also held by a kept argument is never donated
+        return tuple(sorted(donated)), tuple(q for q in range(gdef.num_leaves) if q not in donated)
 
     def compile_for(key, gdef: GraphDef, leaves: list, n_args: int, kw_names: tuple) -> _Compiled:
         entry = _Compiled()
@@ -232,10 +224,8 @@ def jit(
             out_leaves, out_gdef = flatten(out)
             if out_shardings is not None:
                 out_leaves = constrain_outputs(out_gdef, out_leaves)
-            avals = tuple((x.shape, x.dtype) for x in leaves)
-            with entry.lock:
-                entry.out[avals] = out_gdef
-            return out_leaves
+            # The output's structure travels back through JAX as the Graph's aux data.
+            return Graph.tree_unflatten(out_gdef, out_leaves)
 
         entry.fn = jax.jit(
             flat_fun, donate_argnums=(0,) if entry.donated else (), **shardings, **jax_jit_kwargs
@@ -299,11 +289,9 @@ def jit(
                     entry = cache[key] = compile_for(key, gdef, leaves, len(args), tuple(dyn_kwargs))
         try:
             if entry.donated:
-                out_leaves = entry.fn(
-                    [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
-                )
+                out = entry.fn([leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept])
             else:
-                out_leaves = entry.fn((), leaves)
+                out = entry.fn((), leaves)
         except ValueError as e:
             if entry.in_specs is None or "does not match the sharding" not in str(e):
                 raise
@@ -311,12 +299,7 @@ def jit(
             if better is None:
                 raise
             raise better from e
-        outs = entry.out
-        if len(outs) == 1:
-            (out_gdef,) = outs.values()
-        else:  # the output structure depends on input shapes: look it up by them
-            out_gdef = outs[tuple((x.shape, x.dtype) for x in leaves)]
-        return _unflatten(out_gdef, out_leaves)
+        return _unflatten(out.graphdef, out.leaves)
 
     wrapped._cache = cache  # for tests and introspection
     return wrapped
@@ -348,7 +331,7 @@ def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | 
             continue
         if isinstance(s, PartitionSpec) or _same_layout(x.sharding, s, x.ndim):
             continue
-        where = _place_name(place_paths(gdef).leaves[i][0])
+        where = _place_name(gdef.leaf_paths()[i][0])
         return ValueError(
             f"tied.jit in_shardings: the input at {where} is already placed as {_describe(x.sharding)}, "
             f"but in_shardings asks for {_describe(s)}. JAX does not move a committed array implicitly: "
@@ -357,19 +340,26 @@ def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | 
     return None
 
 
-def _reachable_leaves(gdef: GraphDef, refs: Sequence[int]) -> set[int]:
-    """The unique leaves reachable from some references of a GraphDef."""
-    out: set[int] = set()
-    seen: set[int] = set()
-    stack = list(refs)
-    while stack:
-        q, m = divmod(stack.pop(), 3)
-        if m == 0:
-            out.add(q)
-        elif m == 1 and q not in seen:
-            seen.add(q)
-            stack.extend(gdef.records[q][2])
-    return out
+def _argument_of(path: str) -> int | None:
+    """The positional argument a path of ``(args, kwargs)`` lies in."""
+    if not path.startswith("[0]["):
+        return None
+    end = path.index("]", 4)
+    return int(path[4:end])
+
+
+def _keyword_of(path: str) -> str | None:
+    """The keyword argument a path of ``(args, kwargs)`` lies in."""
+    if not path.startswith("[1]["):
+        return None
+    import ast
+
+    end = path.index("]", 4)
+    while True:  # a key's repr may hold "]": take the shortest prefix that parses
+        try:
+            return ast.literal_eval(path[4:end])
+        except (SyntaxError, ValueError):
+            end = path.index("]", end + 1)
 
 
 class _StaticMarker:
