@@ -13,7 +13,9 @@ from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, jit
+from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
 from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
+from ._surgery import PathError, replace, tie, untie
 from ._view import View, materialize, transpose, view
 
 __version__ = "0.1.0"
@@ -26,6 +28,7 @@ __all__ = [
     "GraphError",
     "Grads",
     "Params",
+    "PathError",
     "View",
     "accumulate",
     "data_parallel",
@@ -37,6 +40,7 @@ __all__ = [
     "jit",
     "load",
     "load_metadata",
+    "map",
     "materialize",
     "nn",
     "optim",
@@ -44,14 +48,17 @@ __all__ = [
     "params",
     "print_summary",
     "register",
+    "replace",
     "render_dot",
     "save",
     "sharding_tree",
     "summary",
+    "tie",
     "ties",
     "to_dot",
     "transpose",
     "unflatten",
+    "untie",
     "value_and_grad",
     "view",
 ]
