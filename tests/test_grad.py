@@ -164,8 +164,10 @@ def test_accumulate_reads_every_convention(model):
         "partials": (tree(lambda p, x: partials[p]), "auto"),
         "partials, forced": (tree(lambda p, x: partials[p]), "partials"),
         "total at first": (tree(lambda p, x: totals[p] if first[id(x)] == p else None), "auto"),
-        "aliased totals": (tree(lambda p, x: totals[p]), "auto"),
+        # one object at every place, made by hand: "auto" cannot vouch for it, "total" says so
+        "aliased totals": (tree(lambda p, x: totals[p]), "total"),
         "repeated totals": (tree(lambda p, x: jnp.array(totals[p])), "total"),
+        "tied.grad's own totals": (tied.grad(weighted_loss(coefs))(model), "auto"),
     }
     for name, (grads, convention) in conventions.items():
         acc = tied.accumulate(model, grads, convention=convention)
@@ -175,6 +177,24 @@ def test_accumulate_reads_every_convention(model):
             for (path, x), (_, y) in zip(places(model), places(acc)):
                 if is_param(x):
                     assert y is totals[path], (name, path)
+        # accumulate's result is a total tied made: reading it again changes nothing
+        again = tied.accumulate(model, acc)
+        for (path, x), (_, y), (_, z) in zip(places(model), places(acc), places(again)):
+            if is_param(x):
+                assert z is y, (name, path)
+    # hand-made aliasing under "auto" is refused exactly where a tie has 2+ places
+    counts: dict[int, int] = {}
+    for _, x in places(model):
+        if is_param(x):
+            counts[id(x)] = counts.get(id(x), 0) + 1
+    refused = any(n > 1 for n in counts.values())
+    grads = tree(lambda p, x: totals[p])
+    try:
+        acc = tied.accumulate(model, grads)
+    except ValueError as e:
+        assert refused and "is not a total made by tied.grad" in str(e)
+    else:
+        check_gradient(model, acc, totals)
 
 
 # ---------------------------------------------------------------- leaves without gradients
@@ -384,10 +404,179 @@ def test_gradient_of_a_model_with_a_cycle():
     g = tied.grad(lambda m: jnp.sum(m.me[0].w ** 2))(model)
     assert type(g) is Node and g.me[0] is g
     np.testing.assert_allclose(g.w, 2 * w)
-    with pytest.raises(tied.GraphError, match=r"^<root>: this node is on a reference cycle"):
+    with pytest.raises(tied.GraphError, match=r"^(<root>|\.me\[0\]): this node is on a reference cycle"):
         tied.grad(lambda m: jnp.sum(m.w), per_location=True)(model)
     # accumulate follows the cycle once, also where None stands for the whole gradient.
     acc = tied.accumulate(model, g)
     assert acc.w is g.w and acc.me[0] is acc
     none = tied.accumulate(model, None)
     assert none.w is None and none.me[0] is none
+
+
+# ---------------------------------------------------------------- which aliasing "auto" trusts
+
+
+def test_plain_jax_grad_aliased_cotangent_is_summed_or_refused_never_counted_once():
+    """Issue 10, finding 6: for sum(m["a"] + m["b"]) with {"a": w, "b": w}, eager jax.grad
+    returns one object at both places; the total is 2, not 1."""
+    w = jnp.array([0.5, -1.0, 2.0])
+    m = {"a": w, "b": w}
+    loss = lambda m: jnp.sum(m["a"] + m["b"])
+    g = jax.grad(loss)(m)
+    assert g["a"] is g["b"]  # the case itself
+    untied = jax.grad(loss)({"a": jnp.array(w), "b": jnp.array(w)})  # the reference
+    total = untied["a"] + untied["b"]
+    with pytest.raises(ValueError, match=r"^\['a'\]: the gradient holds one array object at 2 places of "
+                       r"this tied parameter.*Pass convention='partials' for plain jax.grad output, or "
+                       r"convention='total'"):
+        tied.accumulate(m, g)
+    acc = tied.accumulate(m, g, convention="partials")
+    assert acc["a"] is acc["b"]
+    np.testing.assert_allclose(acc["a"], total)
+    np.testing.assert_allclose(acc["a"], 2 * np.ones(3))
+    # what tied made itself is trusted: its total, counted once
+    tg = tied.grad(loss)(m)
+    np.testing.assert_allclose(tg["a"], total)
+    assert tied.accumulate(m, tg)["a"] is tg["a"]
+    # and the per-place partials of tied are distinct objects, summed
+    p = tied.grad(loss, per_location=True)(m)
+    np.testing.assert_allclose(tied.accumulate(m, p)["a"], total)
+
+
+def test_implicit_to_tree_is_a_total_tied_made():
+    w = jnp.array([1.0, 2.0])
+    m = {"a": w, "b": [w]}
+    gs = tied.gradient(lambda: jnp.sum(m["a"] * m["b"][0]), tied.params(m))
+    g = gs.to_tree(m)
+    assert g["a"] is g["b"][0]
+    assert tied.accumulate(m, g)["a"] is g["a"]
+    np.testing.assert_allclose(g["a"], 2 * w)
+
+
+def test_a_reused_id_is_never_taken_for_a_total():
+    """Totals are recognised by a weak reference to the object itself: when a total dies
+    and a new array gets its id, the new one is not vouched for."""
+    import gc
+
+    w = np.array([1.0, 2.0], np.float32)
+    m = {"a": w, "b": w}
+    reused = 0
+    for _ in range(50):
+        t = tied.accumulate(m, {"a": np.ones(2, np.float32), "b": None})["a"]  # a total tied made
+        assert tied.accumulate(m, {"a": t, "b": t})["a"] is t
+        ident = id(t)
+        del t
+        gc.collect()
+        # CPython hands a freed id out again: catch a new array that got it
+        fresh = [np.full(2, 3.0, np.float32) for _ in range(50)]
+        same = [f for f in fresh if id(f) == ident]
+        reused += len(same)
+        for f in same[:1] + fresh[:1]:
+            with pytest.raises(ValueError, match="is not a total made by tied.grad"):
+                tied.accumulate(m, {"a": f, "b": f})
+    assert reused > 0  # the case did happen
+
+
+def test_tied_grad_through_jit_is_right_or_refused():
+    """A total that comes back from a jitted function is new objects: counted once where tied
+    knows it made them, otherwise refused; never summed as if it were partials."""
+    w = jnp.array([0.5, -1.0])
+    m = {"a": w, "b": w}
+    loss = lambda m: jnp.sum(m["a"] * m["b"])
+    total = 2 * w
+    out = tied.jit(lambda m: tied.grad(loss)(m))(m)
+    assert out["a"] is out["b"]
+    try:
+        acc = tied.accumulate(m, out)
+    except ValueError as e:
+        assert "convention='total'" in str(e)
+    else:
+        np.testing.assert_allclose(acc["a"], total)
+    graph = jax.jit(lambda G: tied.Graph(tied.grad(loss)(G.value)))(tied.Graph(m))
+    g = graph.value
+    assert g["a"] is g["b"]
+    with pytest.raises(ValueError, match="convention='total'"):
+        tied.accumulate(m, g)
+    np.testing.assert_allclose(tied.accumulate(m, g, convention="total")["a"], total)
+
+
+def test_totals_made_in_many_threads_are_each_recognised():
+    import threading
+
+    w = jnp.array([1.0, -1.0])
+    m = {"a": w, "b": w}
+    errors: list = []
+
+    def work(k):
+        try:
+            for _ in range(20):
+                g = tied.grad(lambda m: jnp.sum(m["a"] * m["b"]) * k)(m)
+                acc = tied.accumulate(m, g)
+                assert acc["a"] is g["a"]
+                np.testing.assert_allclose(acc["a"], 2 * k * w)
+        except BaseException as e:  # collected and re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+# ---------------------------------------------------------------- trainable=
+
+
+def test_trainable_gives_none_to_rejected_parameters_and_the_rest_as_plain_jax():
+    w, s = jnp.array([[1.0, -2.0], [0.5, 3.0]]), jnp.array([0.2, -0.1])
+    m = {"enc": Dense(w, jnp.zeros(2)), "head": Dense(w, jnp.ones(2)), "stats": s, "again": s}
+    x = jnp.array([[1.0, 2.0]])
+
+    def loss(m):
+        h = jnp.tanh(m["enc"](x) - m["stats"])
+        return jnp.sum(m["head"](h) * m["again"])
+
+    keep = lambda path, a: "stats" not in path and "again" not in path and not path.endswith("bias")
+    value, g = tied.value_and_grad(loss, trainable=keep)(m)
+    np.testing.assert_allclose(value, loss(m))
+    assert g["stats"] is None and g["again"] is None
+    assert g["enc"].bias is None and g["head"].bias is None
+    assert g["enc"].weight is g["head"].weight
+
+    def plain(wa, wb):  # the untied reference: w at both places, everything else constant
+        h = jnp.tanh(x @ wa.T - s)
+        return jnp.sum((h @ wb.T + 1.0) * s)
+
+    ra, rb = jax.grad(plain, argnums=(0, 1))(jnp.array(w), jnp.array(w))
+    np.testing.assert_allclose(g["enc"].weight, ra + rb, rtol=1e-6)
+    # per place: the same selection, each place its own partial
+    p = tied.grad(loss, per_location=True, trainable=keep)(m)
+    assert p["stats"] is None and p["enc"].bias is None
+    np.testing.assert_allclose(p["enc"].weight, ra, rtol=1e-6)
+    np.testing.assert_allclose(p["head"].weight, rb, rtol=1e-6)
+    # a parameter is trainable when the predicate holds at any one of its places
+    only_head = lambda path, a: path.startswith("['head']")
+    g2 = tied.grad(loss, trainable=only_head)(m)
+    assert g2["enc"].weight is g2["head"].weight and g2["enc"].bias is None
+    np.testing.assert_allclose(g2["enc"].weight, ra + rb, rtol=1e-6)
+
+
+def test_trainable_mask_is_the_shared_rule():
+    from tied._grad import trainable_mask
+
+    w = jnp.ones(2)
+    m = {"a": w, "b": [w], "i": jnp.arange(2), "c": jnp.zeros(3)}
+    leaves, gdef = tied.flatten(m)
+    seen = []
+
+    def pred(path, x):
+        seen.append(path)
+        return path == "['b'][0]"
+
+    mask = trainable_mask(gdef, leaves, pred)
+    assert [bool(v) for v in mask] == [x is w for x in leaves]
+    assert "['i']" not in seen  # integer arrays are never parameters, never asked about
+    assert trainable_mask(gdef, leaves, None) == [tied.is_param(x) for x in leaves]
+    with pytest.raises(TypeError, match=r"^\['a'\]: trainable\(path, array\) returned str"):
+        trainable_mask(gdef, leaves, lambda p, x: "yes")

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._graph import GraphDef, _unflatten, expand, flatten, read_places
 
-__all__ = ["grad", "value_and_grad", "accumulate", "is_param"]
+__all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
+
+Trainable = Callable[[str, Any], bool]
 
 _inexact: dict = {}
 
@@ -28,8 +32,100 @@ def is_param(x: Any) -> bool:
     return r
 
 
-def _gradient_tree(structure: GraphDef, grads: list) -> Any:
-    """The model's structure with ``grads`` at its array places and None at every static."""
+def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) -> list[bool]:
+    """For each unique array of a flattened model, whether it is a trainable parameter.
+
+    A parameter (an array of inexact dtype) is trainable when ``trainable`` is
+    None or ``trainable(path, array)`` holds at *any* of its places (keystr
+    paths; ``""`` for the root). The one rule shared by `tied.grad`,
+    `tied.value_and_grad`, `tied.params`, `tied.param_count` and
+    `tied.optim.setup`.
+
+    Raises:
+        TypeError: ``trainable`` is not callable, or returns something that is
+            not a Python or numpy bool (a traced value, say); the message names
+            the path.
+    """
+    if trainable is None:
+        return [is_param(x) for x in leaves]
+    if not callable(trainable):
+        raise TypeError(
+            f"trainable= takes a function (path, array) -> bool, got {type(trainable).__name__}. "
+            'For example trainable=lambda path, x: "running" not in path.'
+        )
+    all_paths = gdef.leaf_paths()
+    out = []
+    for x, paths in zip(leaves, all_paths):
+        keep = False
+        if is_param(x):
+            for path in paths:
+                r = trainable(path, x)
+                if not isinstance(r, (bool, np.bool_)):
+                    raise TypeError(
+                        f"{path or '<root>'}: trainable(path, array) returned {type(r).__name__}, "
+                        "not a bool. Decide from the path, shape and dtype (they are known "
+                        "under jit), e.g. lambda path, x: x.ndim > 1."
+                    )
+                if r:
+                    keep = True
+                    break
+        out.append(keep)
+    return out
+
+
+# ---------------------------------------------------------------- gradients tied vouches for
+#
+# Plain jax.grad may hand one cotangent object to two places (both operands of
+# ``a + b``), which looks exactly like tied's aliased total but is two partials.
+# So an array found at several places of a tie is read as a total only when tied
+# made it one. Arrays are marked by a weak reference, so a marked array that dies
+# is forgotten and a new object reusing its id is never taken for it.
+
+
+class _Mark(weakref.ref):
+    __slots__ = ("key",)
+
+
+_totals: dict[int, _Mark] = {}
+
+
+def _forget(ref: _Mark) -> None:
+    if _totals.get(ref.key) is ref:
+        _totals.pop(ref.key, None)
+
+
+def mark_total(x: Any) -> None:
+    """Record that ``x`` is a total gradient made by tied (so an aliased ``x`` counts once).
+
+    For layers that hand tied's totals on (`tied.jit` rebuilding its outputs).
+    Anything that cannot be weakly referenced (None, a View) is ignored.
+    """
+    if x is None or isinstance(x, (int, float, complex)):
+        return
+    try:
+        ref = _Mark(x, _forget)
+    except TypeError:
+        return
+    ref.key = id(x)
+    _totals[id(x)] = ref
+
+
+def is_total(x: Any) -> bool:
+    """Whether ``x`` is a total gradient tied made (`mark_total`), by identity."""
+    ref = _totals.get(id(x))
+    return ref is not None and ref() is x
+
+
+def _gradient_tree(structure: GraphDef, grads: list, *, totals: bool = True) -> Any:
+    """The model's structure with ``grads`` at its array places and None at every static.
+
+    With ``totals`` the arrays are marked as tied's totals (see `is_total`).
+    """
+    if totals:
+        for g in grads:
+            if g is not None:
+                mark_total(g)
+    # TODO core: a rebuild with None at every static, by name.
     return _unflatten(structure, grads, statics=(None,) * len(structure.statics))
 
 
@@ -48,6 +144,7 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     per_location: bool = False,
+    trainable: Trainable | None = None,
 ) -> Callable:
     """Like `jax.value_and_grad`, for object graphs with shared parameters.
 
@@ -68,6 +165,10 @@ def value_and_grad(
             array at each place (and a distinct node at each place of a shared
             node), summing to the total over each tie group. For diagnostics:
             it costs memory per place, not per parameter.
+        trainable: ``(path, array) -> bool``, decided from the keystr path
+            (``""`` for the root), shape and dtype. A parameter is trainable
+            when it holds at *any* of its places; the others are constants to
+            ``fun`` and get ``None`` at every place. None: every parameter.
 
     Returns:
         A function returning ``(value, grads)``, or ``((value, aux), grads)``.
@@ -76,6 +177,9 @@ def value_and_grad(
         >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
         >>> loss, g = tied.value_and_grad(lambda m: m(x).sum())(c)
         >>> g.layers[0].weight is g.layers[1].weight
+        True
+        >>> g = tied.grad(lambda m: m(x).sum(), trainable=lambda p, a: a.ndim > 1)(c)
+        >>> g.layers[1].bias is None                # the biases are held fixed
         True
     """
     nums, single = _argnums(argnums)
@@ -90,12 +194,14 @@ def value_and_grad(
                 )
         # A single argument is flattened alone, so that error paths are the model's own.
         leaves, gdef = flatten(args[nums[0]] if single else tuple(args[i] for i in nums))
+        mask = trainable_mask(gdef, leaves, trainable)
         if per_location:
             structure, place_leaf = expand(gdef)
             inputs = [leaves[q] for q in place_leaf]
+            diff = [k for k, q in enumerate(place_leaf) if mask[q]]
         else:
             structure, inputs = gdef, leaves
-        diff = [i for i, x in enumerate(inputs) if is_param(x)]
+            diff = [i for i, m in enumerate(mask) if m]
 
         def f(params):
             full = list(inputs)
@@ -119,7 +225,7 @@ def value_and_grad(
                 g = jnp.copy(g)
             seen.add(id(g))
             grads[i] = g
-        return value, _gradient_tree(structure, grads)
+        return value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
 
@@ -130,13 +236,14 @@ def grad(
     has_aux: bool = False,
     *,
     per_location: bool = False,
+    trainable: Trainable | None = None,
 ) -> Callable:
     """Like `jax.grad`, for object graphs with shared parameters.
 
-    See `tied.value_and_grad` for the gradient's shape. ``per_location=True``
-    returns per-place partials (one array per place: memory per place, for
-    diagnostics); the default returns the total once per unique parameter, the
-    same object at each of its places.
+    See `tied.value_and_grad` for the gradient's shape and ``trainable``.
+    ``per_location=True`` returns per-place partials (one array per place:
+    memory per place, for diagnostics); the default returns the total once per
+    unique parameter, the same object at each of its places.
 
     Example:
         >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
@@ -144,7 +251,7 @@ def grad(
         >>> g.layers[0].weight is g.layers[1].weight    # one object: the total
         True
     """
-    vg = value_and_grad(fun, argnums, has_aux, per_location=per_location)
+    vg = value_and_grad(fun, argnums, has_aux, per_location=per_location, trainable=trainable)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -158,57 +265,94 @@ def _sum(xs: list) -> Any:
     return functools.reduce(operator.add, xs)
 
 
-def accumulate(
-    tree: Any,
-    grads: Any,
-    *,
-    convention: Literal["auto", "partials", "total"] = "auto",
-) -> Any:
+Convention = Literal["auto", "partials", "total"]
+
+
+def _check_convention(convention: Any) -> None:
+    if convention not in ("auto", "partials", "total"):
+        raise ValueError(f"convention must be 'auto', 'partials' or 'total', got {convention!r}.")
+
+
+def accumulate(tree: Any, grads: Any, *, convention: Convention = "auto") -> Any:
     """Turn a gradient of ``tree`` in any convention into aliased totals.
 
     Conventions read: per-place partials (plain `jax.grad`, ``per_location=True``),
     the total at the first place with ``None`` elsewhere, and the same total
-    object at every place (`tied.grad`). Rule per tie group: where every present
-    gradient is one object, take it once; otherwise sum the present ones, ``None``
-    counting as zero. ``convention="partials"`` always sums; ``"total"`` takes the
-    first present one (for a total repeated as distinct equal arrays).
+    object at every place (`tied.grad`). Per tie group, ``"auto"`` (the default):
+
+    * distinct objects: partials, summed (``None`` counting as zero);
+    * one present gradient: taken as it is (partial or total, the sum is the same);
+    * one object at two or more places: taken once *if tied made it* (the output
+      of `tied.grad`, `tied.value_and_grad`, `tied.accumulate`, ``Grads.to_tree``).
+      Otherwise it is refused: plain `jax.grad` hands one cotangent object to
+      both operands of ``a + b``, so an aliased object is just as likely two equal
+      partials, and identity cannot tell. Say which: ``convention="partials"``
+      (plain `jax.grad` output: sum every place) or ``"total"`` (a total you put
+      at each place yourself).
+
+    ``"partials"`` always sums; ``"total"`` takes the first present gradient
+    (also for a total repeated as distinct equal arrays).
 
     This is also the "total gradients" step of the optimisers.
 
     Args:
         tree: the model the gradient belongs to.
         grads: a tree shaped like the model (``None`` may stand for a whole subtree).
-        convention: how to read a tie group whose gradients are distinct objects.
+        convention: ``"auto"``, ``"partials"`` or ``"total"``, as above.
 
     Returns:
         The gradient as `tied.grad` returns it: one total per unique parameter,
         the same object at each of its places, ``None`` at non-parameters.
 
+    Raises:
+        ValueError: under ``"auto"``, one array object tied did not make stands
+            at several places of a tie; the message names the first place.
+
     Example:
-        >>> p = tied.grad(loss, per_location=True)(c)
-        >>> g = tied.accumulate(c, p)
-        >>> g.layers[0].weight is g.layers[1].weight
+        >>> m = {"a": w, "b": w}                          # one parameter, two places
+        >>> g = jax.grad(lambda m: jnp.sum(m["a"] + m["b"]))(m)
+        >>> g["a"] is g["b"]                              # one cotangent, two partials
+        True
+        >>> t = tied.accumulate(m, g, convention="partials")
+        >>> bool(jnp.all(t["a"] == 2.0)) and t["a"] is t["b"]
         True
     """
-    if convention not in ("auto", "partials", "total"):
-        raise ValueError(f"convention must be 'auto', 'partials' or 'total', got {convention!r}.")
+    _check_convention(convention)
     leaves, gdef = flatten(tree)
-    return _gradient_tree(gdef, total_of(read_places(gdef, grads), leaves, convention))
+    return _gradient_tree(gdef, total_of(read_places(gdef, grads), leaves, convention, gdef))
 
 
-def _combine(objs: list, convention: str) -> Any:
-    present = [g for g in objs if g is not None]
-    if not present:
-        return None
-    first = present[0]
-    if convention == "total":
-        return first
-    if convention == "auto" and all(g is first for g in present):
-        return first
-    return _sum(present)
+def _ambiguous(gdef: GraphDef, i: int, n: int) -> ValueError:
+    path = gdef.leaf_paths()[i][0] or "<root>"
+    return ValueError(
+        f"{path}: the gradient holds one array object at {n} places of this tied parameter, "
+        "and it is not a total made by tied.grad, so it cannot tell an aliased total (count "
+        "it once) from plain jax.grad handing one cotangent to two uses (sum them). Pass "
+        "convention='partials' for plain jax.grad output, or convention='total' for a total "
+        "you put at every place yourself (or a tied.grad result that came back through "
+        "jax.jit)."
+    )
 
 
-def total_of(found: list, leaves: list, convention: str = "auto") -> list:
-    """Per unique array, the total of the gradients read at its places (None: none)."""
-    return [_combine(objs, convention) if is_param(x) else None for x, objs in zip(leaves, found)]
+def total_of(found: list, leaves: list, convention: str, gdef: GraphDef) -> list:
+    """Per unique array, the total of the gradients read at its places (None: none).
 
+    ``found`` is `read_places`' answer for ``gdef`` (a flatten of the model,
+    whose unique arrays are ``leaves``); see `accumulate` for the rule.
+    """
+    out: list = []
+    for i, (x, objs) in enumerate(zip(leaves, found)):
+        present = [g for g in objs if g is not None] if is_param(x) else ()
+        if not present:
+            out.append(None)
+            continue
+        first = present[0]
+        if convention == "total" or len(present) == 1:
+            out.append(first)
+        elif convention == "auto" and all(g is first for g in present):
+            if not is_total(first):
+                raise _ambiguous(gdef, i, len(present))
+            out.append(first)
+        else:
+            out.append(_sum(present))
+    return out
