@@ -102,9 +102,9 @@ def _checkpoint_dir(path: str) -> str:
     ):
         raise CheckpointError(
             f"{path}: an unfinished save (Orbax's temporary directory): the save that wrote it was "
-            "interrupted before every process had written its shards, so it may hold part of the "
-            f"arrays. Load the checkpoint directory that holds it, {os.path.dirname(path) or '.'}, "
-            "which still has the previous finalised checkpoint."
+            "interrupted before Orbax finalised it, so it may hold only part of the shards. Load the "
+            f"checkpoint directory that holds it, {os.path.dirname(path) or '.'}, which still has the "
+            "previous finalised checkpoint."
         )
     if _is_one_save(path):
         return path
@@ -114,8 +114,8 @@ def _checkpoint_dir(path: str) -> str:
     if unfinished:
         raise CheckpointError(
             f"{path}: no finalised checkpoint, only an unfinished save ({', '.join(unfinished)}): the "
-            "first save to this directory was interrupted before every process had written its "
-            "shards. Nothing can be loaded from it; save again."
+            "first save to this directory was interrupted before Orbax finalised it, so it may hold "
+            "only part of the shards. Nothing can be loaded from it; save again."
         )
     raise CheckpointError(
         f"{path}: not a tied checkpoint: a directory without a checkpoint written by "
@@ -267,8 +267,8 @@ def _target(where: str, place: str, leaf: Any) -> tuple[Any, bool]:
     sharding = getattr(leaf, "sharding", None)
     if isinstance(leaf, jax.Array) and not getattr(leaf, "committed", True):
         return None, False  # uncommitted: restored to the host, then placed as the single-file format does
-    if sharding is None:  # a ShapeDtypeStruct without a sharding: this process's first device
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), False
+    if sharding is None:  # a ShapeDtypeStruct without a sharding: as the single-file format places it
+        return None, False
     shape = tuple(leaf.shape)
     problem = None
     if isinstance(sharding, jax.sharding.NamedSharding):

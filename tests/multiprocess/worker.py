@@ -33,6 +33,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+T0 = time.monotonic()
+MARKS: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    MARKS[name] = round(time.monotonic() - T0, 2)
 
 
 def _args() -> argparse.Namespace:
@@ -76,6 +84,7 @@ if ARGS.num_processes > 1:
         initialization_timeout=60,
     )
 
+mark("started")
 from lm import BATCH, DIM, SEQ, VOCAB, abstract_like, batches, check_ties, init, train_step  # noqa: E402
 
 import tied  # noqa: E402
@@ -94,6 +103,7 @@ def main() -> None:
     def rule(path, x):  # the tied embedding and its Adam moments by rows, the rest replicated
         return rows if x.shape == (VOCAB, DIM) else rep
 
+    mark("imported")
     like = abstract_like(rule)  # (model, state) as ShapeDtypeStructs with shardings
     specs = tied.sharding_tree(like, rule)
     step = tied.jit(train_step, in_shardings=(*specs, data), out_shardings=(*specs, rep))
@@ -107,6 +117,7 @@ def main() -> None:
     else:
         model, state = tied.device_put(jax.jit(init)(jax.random.key(0)).value, specs)
     check(model, state, rows, rep)
+    mark("loaded" if ARGS.resume else "initialised")
     if not ARGS.resume:
         dump(out / f"init-{pid}.npz", (model, state))
 
@@ -123,11 +134,14 @@ def main() -> None:
         checked += 1
         assert loss.sharding.is_equivalent_to(rep, 0)
         losses.append(float(loss))
+        mark(f"step {k + 1}")
         if ARGS.ckpt and not ARGS.resume and k + 1 == ARGS.save_at:
             tied.save(ARGS.ckpt, (model, state), metadata={"step": k + 1}, format="orbax")
+            mark("saved")
             dump(out / f"saved-{pid}.npz", (model, state))
 
     gdef = dump(out / f"params-{pid}.npz", (model, state))
+    mark("gathered")
     result = {
         "process": pid,
         "processes": jax.process_count(),
@@ -139,6 +153,7 @@ def main() -> None:
         "checked_steps": checked,
         "paths": gdef.leaf_paths(),
         "embedding_fully_addressable": model.embed.weight.is_fully_addressable,
+        "seconds": MARKS,
     }
     (out / f"result-{pid}.json").write_text(json.dumps(result))
     if ARGS.crash_save:
