@@ -406,3 +406,108 @@ def test_render_dot_with_graphviz(tmp_path):
         svg = (tmp_path / "m.svg").read_text()
         nodes, edges = parse_dot(dot)
         assert svg.count('class="node"') == len(nodes) and svg.count('class="edge"') == len(edges)
+
+
+def keyed_children(x) -> list[tuple[str, object]]:
+    if type(x) in (list, tuple):
+        return [(f"[{i}]", c) for i, c in enumerate(x)]
+    if type(x) is dict:
+        return [(f"[{k!r}]", x[k]) for k in sorted(x)]
+    if type(x) is tied.View:
+        return [(".source", x.source)]
+    if isinstance(x, NODE_CLASSES):
+        return [(f".{k}", v) for k, v in vars(x).items()]
+    return []
+
+
+def ref_summary_rows(x) -> list[tuple[str, bool]]:
+    """(path, tied) for each row: every place met walking the DAG (a node entered at its first
+    place only), statics left out, a view's source shown under it only where first met."""
+    rows: list[tuple[str, bool]] = []
+    seen: set = set()
+
+    def visit(y, path, under_view):
+        if not is_array(y) and children(y) is None:
+            return
+        value_tuple = type(y) is tuple and all(not is_array(c) and children(c) is None for c in y)
+        first = value_tuple or id(y) not in seen
+        if under_view and not first:
+            return
+        rows.append((path or "<root>", not first))
+        if first:
+            seen.add(id(y))
+            for k, c in keyed_children(y):
+                visit(c, path + k, type(y) is tied.View)
+
+    visit(x, "", False)
+    return rows
+
+
+def summary_rows(text: str) -> list[tuple[str, bool]]:
+    lines = text.splitlines()[1:-2]
+    return [(re.split(r"\s{2,}", line)[0], "tied to" in line) for line in lines]
+
+
+@given(random_dags())
+def test_summary_rows_match_the_reference_walker(m):
+    assert summary_rows(tied.summary(m)) == ref_summary_rows(m)
+
+
+# ---------------------------------------------------------------- trainable=
+
+
+def test_param_count_with_trainable_against_a_hand_count():
+    m = tied_lm()  # embedding 11x4 (also the head's weight), hidden 4x4 + 4 twice, head bias 11
+    weights = lambda path, x: path.endswith("weight")
+    assert tied.param_count(m, trainable=weights) == 44 + 16
+    assert tied.param_count(m, per_place=True, trainable=weights) == 2 * 44 + 2 * 16
+    head_only = lambda path, x: path.startswith(".layers[3]")  # the head: its bias, and the tied weight
+    assert tied.param_count(m, trainable=head_only) == 11 + 44
+    assert tied.param_count(m, per_place=True, trainable=head_only) == 11 + 2 * 44
+    assert tied.param_count(m, trainable=lambda path, x: False) == 0
+    with pytest.raises(TypeError, match="trainable= takes a function"):
+        tied.param_count(m, trainable="weight")
+
+
+def test_param_count_trainable_at_a_place_below_a_shared_node():
+    d = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+    m = Chain(d, d)
+    second = lambda path, x: path == ".layers[1].weight"
+    assert tied.param_count(m, trainable=second) == 4
+    assert tied.param_count(m, per_place=True, trainable=second) == 8
+
+
+# ---------------------------------------------------------------- depth
+
+
+def deep_model(n: int):
+    """n levels cycling list -> dict -> Box, each holding the level below and one more child:
+    `s` (2 floats) at every 30th level, a fresh 2-float array at every 300th, an int elsewhere."""
+    s = jnp.full(2, 0.5)
+    node = {"w": jnp.ones(2)}
+    for k in range(n):
+        x = s if k % 30 == 1 else jnp.full(2, float(k)) if k % 300 == 7 else k
+        node = [x, node] if k % 3 == 0 else {"w": x, "next": node} if k % 3 == 1 else Box(node, x)
+    return node, s
+
+
+def test_inspection_at_depth_3000():
+    m, s = deep_model(3000)
+    # by hand: s at 100 places, 10 fresh arrays, the bottom array; 3001 containers
+    assert tied.param_count(m) == 2 * 12
+    assert tied.param_count(m, per_place=True) == 2 * 111
+    text = tied.summary(m)
+    rows = summary_rows(text)
+    assert len(rows) == 3001 + 111 and sum(t for _, t in rows) == 99
+    assert text.splitlines()[-2:] == [
+        "parameters: 24 unique, 222 per place",
+        "array bytes: 96 B unique, 888 B per place",
+    ]
+    s_rows = [line for line in text.splitlines() if "(2,)" in line and line.split()[-1] != "2"]
+    firsts = {line.split("tied to ")[1] for line in s_rows}
+    assert len(s_rows) == 99 and len(firsts) == 1
+    nodes, edges = parse_dot(tied.to_dot(m))
+    assert (len(nodes), len(edges)) == (3001 + 12, 3000 + 111)
+    first = firsts.pop()
+    into_s = [e for e in edges if nodes[e[1]].endswith(first)]
+    assert len(into_s) == 100
