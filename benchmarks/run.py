@@ -29,6 +29,7 @@ import optax
 import tied
 from tied import optim
 
+from . import checkpoint
 from . import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -375,6 +376,8 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{r['walk_seconds'] * 1e3:.1f} ms |"
         )
     lines.append("")
+    if "checkpoint" in results:
+        lines += checkpoint.report(results["checkpoint"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -418,6 +421,8 @@ def main(argv=None) -> dict:
             f"{r['ratio_vs_jax_pyclass']:.2f}x registered classes, {r['ratio_vs_jax_dict']:.2f}x dicts",
             flush=True,
         )
+    print("[checkpoint] tied.save/load against safetensors, 0.5 GiB model with a tie", flush=True)
+    results["checkpoint"] = checkpoint.main(["--rounds", "3" if args.quick else "7"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

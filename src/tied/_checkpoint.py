@@ -234,9 +234,5 @@ def _read_by_keys(path: str, header: Any, m: _manifest.Match) -> list:
 
 
 def _own(x: np.ndarray, leaf: Any) -> Any:
-    """A host array (a view of the file's mapping) copied once, to where ``like``'s leaf lives."""
-    if isinstance(leaf, np.ndarray):
-        return np.array(x, dtype=x.dtype.newbyteorder("="))
-    if not x.dtype.isnative:
-        x = x.astype(x.dtype.newbyteorder("="))
+    """A host array read from the file (its own buffer, native byte order) put where ``like``'s leaf lives."""
     return _manifest.place_like(x, leaf)
