@@ -22,6 +22,7 @@ def load(name):
 def test_every_example_is_tested():
     tested = {"seed", "albert", "tied_autoencoder", "tied_lm", "siamese", "rnn", "equinox_interop"}
     tested.add("data_parallel")  # run under 8 fake devices by tests/test_sharding.py (tests/multidevice)
+    tested.add("optax_by_path")  # run by tests/test_optim.py
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 

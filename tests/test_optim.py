@@ -951,3 +951,28 @@ def test_equinox_model_with_a_tied_weight_keeps_it_through_adam():
         assert m.a.weight is m.b.weight
         assert_close({".a.weight": m.a.weight, ".a.bias": m.a.bias, ".b.bias": m.b.bias}, p)
         assert_states_close(state.inner_state, rs)
+
+
+# ---------------------------------------------------------------- the example
+
+
+def test_example_optax_by_path():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "optax_by_path.py"
+    spec = importlib.util.spec_from_file_location("examples_optax_by_path", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    r = module.main(steps=60, verbose=False)
+    assert r["keys"] == [".embed.weight", ".ln.weight", ".ln.bias", ".mlp.weight", ".mlp.bias"]
+    assert module.decay_mask(dict.fromkeys(r["keys"])) == {
+        ".embed.weight": True, ".ln.weight": False, ".ln.bias": False, ".mlp.weight": True, ".mlp.bias": False
+    }
+    assert r["tied"] and r["buffer_kept"] and r["frozen_kept"] and r["embed_moved"]
+    assert r["loss_after"] < r["loss_before"] / 3
+    m, state = r["model"], r["state"]
+    assert m.head.weight is m.embed.weight and state.frozen == {}
+    assert ".stats" not in state.paths
+    mu = state.inner_state[1].inner_states["embed"].inner_state[0].mu
+    assert set(mu) == set(r["keys"])
