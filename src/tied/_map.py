@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._graph import GraphDef, flatten, unflatten
-from ._surgery import Places, get, put, split_path
+from ._surgery import Places, get, put
 
 __all__ = ["map"]
 
@@ -94,49 +94,52 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
 
 def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
     places = Places(gdef)
-    # TODO core: `flatten(tree, is_leaf=...)` (such a container is an opaque, identity-
-    # tracked leaf of the walk) would make this read of containers by path unnecessary.
-    whole: dict[int, tuple[Any, list[tuple[str, ...]]]] = {}  # id -> (container, places)
-    covers: dict[tuple[str, ...], int] = {}  # place of such a container -> its id
-    for p in places.nodes:
-        steps = split_path(p)
-        if steps is None or any(steps[:k] in covers for k in range(len(steps) + 1)):
+    # TODO core: `flatten(tree, is_leaf=...)` (such a container an opaque, identity-tracked
+    # leaf of the walk) would make this read of the containers by path unnecessary.
+    whole: dict[int, tuple[Any, list[str]]] = {}  # id -> (the container, its places)
+    covers: dict[str, int] = {}  # place of such a container -> its id
+
+    def around(steps: tuple[str, ...]) -> str | None:
+        """The place of a container passed whole that holds the place ``steps``."""
+        return next((q for q in ("".join(steps[:k]) for k in range(len(steps))) if q in covers), None)
+
+    for p in places.nodes():
+        if around(places.steps[p]) is not None:
             continue
-        obj = get(tree, steps)
+        obj = get(tree, places.steps[p], places)
         if is_leaf(obj):
-            whole.setdefault(id(obj), (obj, []))[1].append(steps)
-            covers[steps] = id(obj)
+            whole.setdefault(id(obj), (obj, []))[1].append(p)
+            covers[p] = id(obj)
     if not whole:
         return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
-    if () in covers:
+    if "" in covers:
         return call("", tree, list(rest))
 
-    # For each unique array: {id of the container around a place (None: no such container):
-    # (that place, the container's place)}.
+    # For each unique array: {the container around a place, or None: (that place, the
+    # container's place)}.
     inside: dict[int, dict[Any, tuple[str, str]]] = {}
     for p, i in places.leaf_of.items():
-        steps = split_path(p) or ()
-        around = next((steps[:k] for k in range(len(steps)) if steps[:k] in covers), None)
-        owner = None if around is None else covers[around]
-        inside.setdefault(i, {}).setdefault(owner, (p, "".join(around or ())))
+        q = around(places.steps[p])
+        inside.setdefault(i, {}).setdefault(None if q is None else covers[q], (p, q or ""))
     new = list(leaves)
     for i, owners in inside.items():
         if len(owners) > 1:
             (a, ca), (b, cb) = sorted(owners.values(), key=lambda v: not v[1])[:2]
-            also = f"inside the container at {cb or '<root>'}" if cb else "outside it"
+            also = f"inside the container at {cb}" if cb else "outside it"
             raise ValueError(
-                f"tied.map: is_leaf holds for the container at {ca or '<root>'}, so f gets it "
-                f"whole, but the array at {a} is also at {b}, {also}: f would see the array "
-                "twice and the tie would be cut. Let is_leaf hold for a container that holds "
-                "every place of the array, or for none of them."
+                f"tied.map: is_leaf holds for the container at {ca}, so f gets it whole, but "
+                f"the array at {a} is also at {b}, {also}: f would see the array twice and the "
+                "tie would be cut. Let is_leaf hold for a container that holds every place of "
+                "the array, or for none of them."
             )
         if None in owners:
             new[i] = mapped(i)
     out = unflatten(gdef, new)
     for obj, where in whole.values():
-        result = call("".join(where[0]), obj, [get(r, where[0]) for r in rest])
-        for steps in where:
-            out = put(out, steps, result)
+        steps = places.steps[where[0]]
+        result = call(where[0], obj, [get(r, steps, places) for r in rest])
+        for p in where:
+            out = put(out, places.steps[p], result, places)
     return out
 
 
@@ -148,7 +151,7 @@ def _difference(ga: GraphDef, la: list, gb: GraphDef, lb: list) -> str | None:
             if np.shape(x) != np.shape(y):
                 return f"{p or '<root>'} has shape {np.shape(y)}, expected {np.shape(x)}"
         return None
-    pa, pb = Places(ga).leaf_of, Places(gb).leaf_of
+    pa, pb = Places(ga).leaf_of, Places(gb).leaf_of  # every array place, in walk order
     for p in pa:
         if p not in pb:
             return f"{p or '<root>'} holds an array in the first tree but not here"

@@ -10,16 +10,15 @@ Paths are keystr strings, as `tied.ties` and `tied.summary` print them
 (``'.layers[0].weight'``; ``''`` or ``'<root>'`` for the model itself). A valid path
 is a place of an array or of a container that holds arrays.
 
-The few helpers that read and write one child of a container (`child`, `with_child`)
-are the only code here that knows container types; they run on the fresh copy or,
-for `tied.map`'s ``is_leaf``, read the user's objects without changing them.
+Places and their steps come from `GraphDef.walk_places`; no path is parsed. The two
+helpers that read and write one child of a container (`child`, `with_child`) use the
+core's node kinds; they write only into the fresh copy (and, for `tied.map`'s
+``is_leaf``, read the user's objects without changing them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,11 +26,8 @@ import numpy as np
 
 from . import _graph
 from ._graph import GraphDef, GraphError, flatten, unflatten
-from ._view import View
 
 __all__ = ["PathError", "replace", "tie", "untie"]
-
-_registry = jax.tree_util.default_registry
 
 
 class PathError(KeyError):
@@ -49,215 +45,137 @@ def _show(path: str) -> str:
     return path or "<root>"
 
 
-# ---------------------------------------------------------------- paths
-
-
-def split_path(path: str) -> tuple[str, ...] | None:
-    """The steps of a keystr path: ``'.layers[0].weight'`` -> ``('.layers', '[0]', '.weight')``;
-    ``''`` -> ``()``. None when the string is not a sequence of ``.name`` and ``[key]`` steps
-    (brackets and quotes inside a dict key's repr are matched)."""
-    steps: list[str] = []
-    i, n = 0, len(path)
-    while i < n:
-        c = path[i]
-        j = i + 1
-        if c == ".":
-            while j < n and path[j] not in ".[":
-                j += 1
-            if j == i + 1:
-                return None
-        elif c == "[":
-            depth, quote = 1, None
-            while j < n and depth:
-                d = path[j]
-                if quote is not None:
-                    if d == "\\":
-                        j += 1
-                    elif d == quote:
-                        quote = None
-                elif d in "'\"":
-                    quote = d
-                elif d in "([{":
-                    depth += 1
-                elif d in ")]}":
-                    depth -= 1
-                j += 1
-            if depth:
-                return None
-        else:
-            return None
-        steps.append(path[i:j])
-        i = j
-    return tuple(steps)
-
-
-def _is_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    return len(a) <= len(b) and b[: len(a)] == a
+# ---------------------------------------------------------------- places and steps
+# TODO core: the node kind of a walk_places() kind name (its children, keys, setter,
+# make), as `_live` reads it too; a core `Kind` lookup by name would replace this.
+_KIND_BY_NAME = {kind.name: kind for kind in _graph.KINDS}
+_LEAF_KINDS = ("array", "static")
 
 
 class Places:
-    """The places of a graph, read from its GraphDef: every array place (with its unique
-    array's index) and every place of a container that holds arrays, in walk order.
+    """Every place of a graph, from `GraphDef.walk_places`: its *steps* (the keystr pieces
+    from the root, so ``''.join(steps)`` is the path), what it holds (``"array"``,
+    ``"static"`` or a node kind's name) and the index of that array or node.
 
-    Places below a shared container are listed at every place of it, as
-    `GraphDef.place_leaves` lists them (for a graph with a reference cycle, only the
-    places through each container's first place)."""
+    Places below a shared node are listed at every place of it (for a graph with a
+    reference cycle, only below each node's first place). No path is ever parsed: each
+    step is the part of a place's path after its container's path.
+    """
 
     def __init__(self, gdef: GraphDef):
         self.gdef = gdef
         try:
-            leaf_of = {p: i for p, i in gdef.place_leaves()}
+            walk = list(gdef.walk_places(expand_shared=True))
         except GraphError:  # a reference cycle: infinitely many places; the first ones
-            leaf_of = {p: i for i, ps in enumerate(gdef.leaf_paths()) for p in ps}
-        self.leaf_of: dict[str, int] = leaf_of
-        self.shared_nodes: list[tuple[str, ...]] = gdef.shared_node_paths()
-        nodes: dict[str, None] = {}
-        if "" not in leaf_of:
-            nodes[""] = None
-        for p in leaf_of:
-            steps = split_path(p)
-            for k in range(1, len(steps or ())):
-                nodes.setdefault("".join(steps[:k]))
-        for group in self.shared_nodes:
-            for p in group:
-                nodes.setdefault(p)
-        self.nodes: dict[str, None] = nodes
+            walk = list(gdef.walk_places())
+        self.steps: dict[str, tuple[str, ...]] = {}
+        self.kind: dict[str, str] = {}
+        self.index: dict[str, int] = {}
+        open_nodes: list[str] = []  # the path of the open node at each depth
+        for place in walk:
+            del open_nodes[place.depth :]
+            if place.path not in self.steps:
+                if place.depth:
+                    parent = open_nodes[place.depth - 1]
+                    self.steps[place.path] = self.steps[parent] + (place.path[len(parent) :],)
+                else:
+                    self.steps[place.path] = ()
+                self.kind[place.path] = place.kind
+                self.index[place.path] = place.index
+            if place.kind not in _LEAF_KINDS:
+                open_nodes.append(place.path)
+        self.leaf_of = {p: i for p, i in self.index.items() if self.kind[p] == "array"}
 
-    def resolve(self, path: str, *, who: str) -> tuple[str, ...]:
-        """The steps of ``path``, or a `PathError` listing the nearest valid paths."""
-        if path == "<root>":
-            path = ""
+    def nodes(self) -> list[str]:
+        """The places of nodes, in walk order (parents first)."""
+        return [p for p, k in self.kind.items() if k not in _LEAF_KINDS]
+
+    def resolve(self, path: Any, *, who: str) -> str:
+        """``path`` itself (``'<root>'`` read as ``''``), or a `PathError` listing the nearest
+        valid paths."""
         if not isinstance(path, str):
             raise TypeError(
                 f"{who}: paths are keystr strings such as '.layers[0].weight' (as tied.ties prints "
                 f"them), got {type(path).__name__} {path!r}."
             )
-        steps = split_path(path) if (path in self.leaf_of or path in self.nodes) else None
-        if steps is None:
-            valid = list(self.leaf_of) + [p for p in self.nodes if p not in self.leaf_of]
-            near = difflib.get_close_matches(path, [_show(p) for p in valid], n=5, cutoff=0.0)
+        if path == "<root>":
+            path = ""
+        if path not in self.steps:
+            near = difflib.get_close_matches(path, [_show(p) for p in self.steps], n=5, cutoff=0.0)
             raise PathError(
-                f"{who}: {path!r} is not a place of the model (a place of an array, or of a "
-                f"container that holds arrays). Nearest valid paths: {', '.join(near) or 'none'}. "
-                "Paths are written as tied.ties prints them."
+                f"{who}: {path!r} is not a place of the model. Nearest valid paths: "
+                f"{', '.join(near) or 'none'}. Paths are written as tied.ties and tied.summary "
+                "print them."
             )
-        return steps
+        return path
 
-    def is_array(self, path: str) -> bool:
-        return (path if path != "<root>" else "") in self.leaf_of
+    def same_object(self, path: str) -> tuple[str, ...]:
+        """Every place of the array or node at ``path`` (through the first place of each
+        shared container, as the core lists them); a static's own place only."""
+        kind, i = self.kind[path], self.index[path]
+        if kind == "array":
+            return self.gdef.leaf_paths()[i]
+        if kind == "static":
+            return (path,)
+        return self.gdef.node_paths()[i]
 
-
-# ---------------------------------------------------------------- one child of a container
-# TODO core: these mirror the core's node kinds from the outside (list, tuple, dict,
-# View, JAX-registered pytrees, and plain objects walked through their attributes).
-# A core pair `child(node, step)` / `with_child(node, step, value)` keyed on the kind
-# table would keep that knowledge in one place.
-
-
-def _walked_by_attributes(x: Any) -> bool:
-    t = type(x)
-    # TODO core: read "walked through __dict__" from the core instead of its registry set.
-    return t in getattr(_graph, "_registered", ()) or not _registry.is_node(t)
+    def container_kind(self, steps: tuple[str, ...]) -> Any:
+        return _KIND_BY_NAME[self.kind["".join(steps)]]
 
 
-def _one_level(x: Any) -> tuple[list[tuple[str, Any]], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-    return [(jax.tree_util.keystr(p), c) for p, c in flat], treedef
+def _is_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    return len(a) < len(b) and b[: len(a)] == a
 
 
-def _attribute(x: Any, step: str) -> str:
-    name = step[1:]
-    d = getattr(x, "__dict__", None)
-    if step.startswith(".") and (
-        (isinstance(d, dict) and name in d)
-        or (dataclasses.is_dataclass(x) and name in {f.name for f in dataclasses.fields(x)})
-    ):
-        return name
-    raise LookupError(step)
+def child(x: Any, kind: Any, step: str) -> Any:
+    """The child of node ``x`` (of the given kind) at ``step``."""
+    children, meta = kind.children(x)
+    n = len(children)
+    for i in range(n):
+        if kind.key(meta, i, n) == step:
+            return children[i]
+    raise GraphError(f"the {kind.name} has no child {step}: the graph changed while being read.")
 
 
-def child(x: Any, step: str) -> Any:
-    """The child of container ``x`` at ``step`` (``'.weight'``, ``'[0]'``, ``"['k']"``)."""
-    t = type(x)
-    if t is View:
-        if step == ".source":
-            return x.source
-    elif t is list or t is tuple:
-        for i, c in enumerate(x):
-            if step == f"[{i}]":
-                return c
-    elif t is dict:
-        for k, c in x.items():
-            if step == f"[{k!r}]":
-                return c
-    elif _walked_by_attributes(x):
-        return getattr(x, _attribute(x, step))
-    else:
-        for key, c in _one_level(x)[0]:
-            if key == step:
-                return c
-    raise LookupError(step)
-
-
-def with_child(x: Any, step: str, value: Any) -> Any:
-    """``x`` with ``value`` at ``step``: ``x`` itself, changed in place, when it is mutable
-    (a list, dict, View or an object walked through its attributes), else a new container.
-    Only ever called on containers of a fresh copy."""
-    t = type(x)
-    if t is list:
-        x[[f"[{i}]" for i in range(len(x))].index(step)] = value
+def with_child(x: Any, kind: Any, step: str, value: Any) -> Any:
+    """``x`` with ``value`` at ``step``: ``x`` itself, changed in place, for a kind that can
+    be written (a list, dict, object, View), else a new node of the same kind. Only ever
+    called on the nodes of a fresh copy."""
+    children, meta = kind.children(x)
+    n = len(children)
+    i = next(i for i in range(n) if kind.key(meta, i, n) == step)
+    if kind.writable or kind.name == "view":  # TODO core: the view kind is writable
+        kind.setter(meta, x, i)(value)
         return x
-    if t is dict:
-        key = next(k for k in x if step == f"[{k!r}]")
-        x[key] = value
-        return x
-    if t is View:
-        x.source = value
-        return x
-    if t is tuple:
-        i = [f"[{i}]" for i in range(len(x))].index(step)
-        return x[:i] + (value,) + x[i + 1 :]
-    if _walked_by_attributes(x):
-        object.__setattr__(x, _attribute(x, step), value)
-        return x
-    kids, treedef = _one_level(x)
-    i = [k for k, _ in kids].index(step)
-    return treedef.unflatten([value if j == i else c for j, (_, c) in enumerate(kids)])
+    children[i] = value
+    return kind.make(meta, children)
 
 
-def get(root: Any, steps: Sequence[str]) -> Any:
-    """The object at ``steps`` below ``root``."""
-    for s in steps:
-        root = child(root, s)
+def get(root: Any, steps: tuple[str, ...], places: Places) -> Any:
+    """The object at ``steps`` below ``root``, a graph with the structure ``places`` reads."""
+    for k in range(len(steps)):
+        root = child(root, places.container_kind(steps[:k]), steps[k])
     return root
 
 
-def _places_of(root: Any, steps: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Every place of the container at ``steps`` in the graph ``root`` (its first places
-    through shared ancestors, as the core lists them)."""
-    obj = get(root, steps)
-    for group in flatten(root)[1].shared_node_paths():
-        first = split_path(group[0])
-        if first is not None and get(root, first) is obj:
-            return [s for s in map(split_path, group) if s is not None]
-    return [steps]
+def put(root: Any, steps: tuple[str, ...], value: Any, places: Places) -> Any:
+    """Put ``value`` at the place ``steps`` of the fresh graph ``root`` (whose structure
+    ``places`` reads); return the root (a new one when the root itself was rebuilt).
 
-
-def put(root: Any, steps: tuple[str, ...], value: Any) -> Any:
-    """Put ``value`` at the place ``steps`` of the fresh graph ``root``; return the root
-    (a new one when the root itself was rebuilt). A container that cannot change in place
-    (a tuple, a JAX pytree) is rebuilt and put at every place of the old one, so a
-    shared container stays one object."""
+    A container that cannot change in place (a tuple, a JAX pytree) is rebuilt and put
+    at every place of the old one, so a shared container stays one object."""
     if not steps:
         return value
-    parent = get(root, steps[:-1])
-    if child(parent, steps[-1]) is value:
+    parent = get(root, steps[:-1], places)
+    kind = places.container_kind(steps[:-1])
+    if child(parent, kind, steps[-1]) is value:
         return root
-    new = with_child(parent, steps[-1], value)
+    new = with_child(parent, kind, steps[-1], value)
     if new is parent:
         return root
-    for place in _places_of(root, steps[:-1]):
-        root = put(root, place, new)
+    now = Places(flatten(root)[1])  # the root still holds the old parent at all its places
+    for q in sorted(now.same_object("".join(steps[:-1])), key=len, reverse=True):
+        root = put(root, now.steps[q], new, now)
     return root
 
 
@@ -313,6 +231,14 @@ def _check_tieable(p0: str, o0: Any, p: str, o: Any) -> None:
 # ---------------------------------------------------------------- the public functions
 
 
+def _refuse_static(places: Places, path: str, who: str, why: str) -> None:
+    if places.kind[path] == "static":
+        raise ValueError(
+            f"{who}: {_show(path)} holds a static value (a number, string, None, a function), "
+            f"which is never tied, {why}. Give the place of an array or of a container."
+        )
+
+
 def tie(tree: Any, *paths: str) -> Any:
     """A new model in which every given place holds the object at the first path.
 
@@ -331,8 +257,8 @@ def tie(tree: Any, *paths: str) -> Any:
 
     Raises:
         PathError: a path names no place; the message lists the nearest valid ones.
-        ValueError: shapes, dtypes or types differ (naming both paths), or one path lies
-            inside another.
+        ValueError: shapes, dtypes or types differ (naming both paths), one path lies
+            inside another, or a path holds a static value.
 
     Example:
         >>> import jax.numpy as jnp, tied
@@ -348,20 +274,23 @@ def tie(tree: Any, *paths: str) -> Any:
         )
     leaves, gdef = flatten(tree)
     places = Places(gdef)
-    steps = [places.resolve(p, who="tied.tie") for p in paths]
+    paths = tuple(places.resolve(p, who="tied.tie") for p in paths)
+    for p in paths:
+        _refuse_static(places, p, "tied.tie", "so it cannot be tied")
+    steps = [places.steps[p] for p in paths]
     for a in range(len(steps)):
         for b in range(len(steps)):
-            if a != b and steps[a] != steps[b] and _is_prefix(steps[a], steps[b]):
+            if _is_prefix(steps[a], steps[b]):
                 raise ValueError(
                     f"tied.tie: {_show(paths[b])} lies inside {_show(paths[a])}; a place cannot "
                     "be tied to a place inside itself. Give places that do not contain each other."
                 )
     fresh = unflatten(gdef, leaves)
-    objs = [get(fresh, s) for s in steps]
+    objs = [get(fresh, s, places) for s in steps]
     for p, o in zip(paths[1:], objs[1:]):
         _check_tieable(paths[0], objs[0], p, o)
     for s in steps[1:]:
-        fresh = put(fresh, s, objs[0])
+        fresh = put(fresh, s, objs[0], places)
     return fresh
 
 
@@ -374,7 +303,7 @@ def untie(tree: Any, path: str) -> Any:
 
     Args:
         tree: the model.
-        path: a keystr path, as `tied.ties` prints it.
+        path: a keystr path of an array or a container, as `tied.ties` prints it.
 
     Returns:
         The new model.
@@ -382,7 +311,8 @@ def untie(tree: Any, path: str) -> Any:
     Raises:
         PathError: the path names no place.
         ValueError: the place lies inside a shared container, so it is one place with that
-            container's other places; the message names the container to untie instead.
+            container's other places (the message names the container to untie instead),
+            or it holds a static value.
 
     Example:
         >>> import jax.numpy as jnp, tied
@@ -393,37 +323,38 @@ def untie(tree: Any, path: str) -> Any:
     """
     leaves, gdef = flatten(tree)
     places = Places(gdef)
-    steps = places.resolve(path, who="tied.untie")
-    fresh = unflatten(gdef, leaves)
-    shared = {}
-    for group in places.shared_nodes:
-        first = split_path(group[0])
-        if first is not None:
-            shared[id(get(fresh, first))] = group
+    path = places.resolve(path, who="tied.untie")
+    _refuse_static(places, path, "tied.untie", "so there is nothing to untie")
+    steps = places.steps[path]
     for k in range(len(steps)):
-        group = shared.get(id(get(fresh, steps[:k])))
-        if group is not None:
-            inner = "".join(steps[:k])
-            others = ", ".join(_show(q) for q in group if q != inner)
+        inner = "".join(steps[:k])
+        group = places.same_object(inner)
+        if len(group) > 1:
+            other = next(q for q in group if q != inner)
             raise ValueError(
-                f"tied.untie: {_show(path)} lies inside {_show(inner)}, a container shared "
-                f"with {others}, so it is one place with {_show(others.split(', ')[0])}"
-                f"{path[len(inner):]}. Untie the container first: "
-                f"tied.untie(tree, {_show(inner)!r})."
+                f"tied.untie: {_show(path)} lies inside {_show(inner)}, a container shared with "
+                f"{', '.join(_show(q) for q in group if q != inner)}, so it is one place with "
+                f"{other}{path[len(inner):]}. Untie the container first: "
+                f"tied.untie(tree, {inner!r})."
             )
-    return put(fresh, steps, deep_copy(get(fresh, steps)))
+    fresh = unflatten(gdef, leaves)
+    return put(fresh, steps, deep_copy(get(fresh, steps, places)), places)
 
 
 def replace(tree: Any, path: str, value: Any) -> Any:
     """A new model in which the object at ``path`` is ``value`` at every place that holds it.
 
     The places tied to ``path`` stay tied: they all hold ``value``. For an array that is
-    the source of a `tied.View`, the view reads ``value``. Shapes are not checked (as
-    with ``equinox.tree_at``). ``tree`` is not changed.
+    the source of a `tied.View`, the view reads ``value``. A static value (an activation
+    function, say) is replaced at its one place. Shapes are not checked (as with
+    ``equinox.tree_at``). ``value`` is put in as it is, unless it holds containers of
+    the model (a wrapper around a layer, say): then it goes in as a copy whose
+    containers are the result's own, so that its ties with the rest of the model are
+    kept (its arrays are never copied). ``tree`` is not changed.
 
     Args:
         tree: the model.
-        path: a keystr path of an array or a container, as `tied.ties` prints it.
+        path: a keystr path, as `tied.ties` prints it.
         value: the new object (an array, a layer, anything).
 
     Returns:
@@ -441,12 +372,23 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     """
     leaves, gdef = flatten(tree)
     places = Places(gdef)
-    steps = places.resolve(path, who="tied.replace")
-    if places.is_array(path):
+    path = places.resolve(path, who="tied.replace")
+    joint = None if _is_array(value) else _joint(tree, value)
+    if joint is None and places.kind[path] == "array":
         new = list(leaves)
-        new[places.leaf_of[path if path != "<root>" else ""]] = value
+        new[places.leaf_of[path]] = value
         return unflatten(gdef, new)
-    fresh = unflatten(gdef, leaves)
-    for s in _places_of(fresh, steps):
-        fresh = put(fresh, s, value)
+    fresh, value = joint if joint is not None else (unflatten(gdef, leaves), value)
+    for q in sorted(places.same_object(path), key=len, reverse=True):
+        fresh = put(fresh, places.steps[q], value, places)
     return fresh
+
+
+def _joint(tree: Any, value: Any) -> tuple[Any, Any] | None:
+    """Fresh copies of ``tree`` and ``value`` made in one walk, when ``value`` holds a
+    container of ``tree`` (so the copies share it); None when they share no container."""
+    leaves, gdef = flatten((tree, value))
+    for group in gdef.shared_node_paths():
+        if any(p.startswith("[0]") for p in group) and any(p.startswith("[1]") for p in group):
+            return unflatten(gdef, leaves)
+    return None
