@@ -35,7 +35,6 @@ from helpers import (
 from helpers import children as ref_children
 from helpers import is_param as ref_is_param
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import tied
 from tied._live import lock as live_lock  # public as tied.live_lock once __init__ exports it
@@ -725,7 +724,8 @@ def test_a_container_made_anew_by_a_pytree_flatten_is_refused_before_writing():
     w = jnp.ones(2)
     model = {"r": Remade([w, jnp.zeros(2)])}
     called = []
-    with pytest.raises(tied.GraphError, match=r"^\['r'\]\[0\]\[0\]: .* list holding this parameter place is made anew"):
+    anew = r"^\['r'\]\[0\]\[0\]: .* list holding this parameter place is made anew"
+    with pytest.raises(tied.GraphError, match=anew):
         tied.gradient(lambda: called.append(1) or model["r"].items[0].sum(), tied.params(model))
     assert not called and model["r"].items[0] is w
     # a pytree whose flatten returns the list it stores: written, and right
@@ -807,7 +807,8 @@ def test_second_order_nested_gradient():
 def test_numpy_parameters_come_back_as_numpy():
     w = np.arange(3, dtype=np.float32)
     model = {"w": w, "again": [w]}
-    gs = tied.gradient(lambda: (jnp.asarray(model["w"]) ** 2).sum() + model["again"][0].sum(), tied.params(model))
+    loss = lambda: (jnp.asarray(model["w"]) ** 2).sum() + model["again"][0].sum()
+    gs = tied.gradient(loss, tied.params(model))
     np.testing.assert_allclose(gs[w], 2 * w + 1, rtol=1e-6)
     assert model["w"] is w and model["again"][0] is w and type(model["w"]) is np.ndarray
 
