@@ -193,7 +193,7 @@ def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
                 f" (dtype {_dtype(x)})" if not is_param(x) else " (rejected by the state's trainable=)"
             )
             raise _setup_error(s.path, f"the optimiser state has a parameter here, but in the model {why}.")
-        if tuple(paths[i]) != s.places:
+        if set(paths[i]) != set(s.places):  # the places, in whatever order the walk met them
             raise _setup_error(
                 s.path,
                 f"the optimiser state was set up for a parameter at the places {list(s.places)}, but "
