@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zlib
 from typing import NamedTuple
 
@@ -292,6 +293,11 @@ def test_random_models_round_trip(tmp_path_factory, model):
     assert back_gdef == gdef  # same structure, statics and sharing
     assert all(same_bits(a, b) for a, b in zip(back_leaves, leaves))
     assert len(safetensors.numpy.load_file(f)) == len(leaves)
+    # The same into an abstract like: JAX arrays come back, with the same ties and values.
+    abstract_like = tied.unflatten(gdef, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
+    back_leaves, back_gdef = tied.flatten(tied.load(f, abstract_like))
+    assert back_gdef == gdef and all(isinstance(x, jax.Array) for x in back_leaves)
+    assert all(same_bits(a, b) for a, b in zip(back_leaves, leaves))
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -1083,3 +1089,177 @@ def test_a_loaded_model_does_not_change_with_its_file(tmp_path):
         fh.write(raw)
     assert same_bits(back["w"], big["w"]) and same_bits(back["n"], big["n"])
     assert back["n"].flags.writeable
+
+
+# ---------------------------------------------------------------- strict=False: plain safetensors files
+
+
+def hf_lm(key=0):
+    """Embedding tied to the output head, as a Hugging Face model holds it."""
+    r = np.random.default_rng(key)
+    emb = Embedding(jnp.asarray(r.normal(size=(11, 4)), jnp.float32))
+    w, b = r.normal(size=(4, 4)), r.normal(size=4)
+    hidden = Dense(jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+    return Chain(emb, hidden, Dense(emb.weight, None))
+
+
+HF_NAMES = {
+    "model.embed_tokens.weight": ".layers[0].weight",
+    "model.hidden.weight": ".layers[1].weight",
+    "model.hidden.bias": ".layers[1].bias",
+}
+
+
+def hf_file(tmp_path, **extra):
+    """A file as transformers writes a tied LM: the embedding once (no lm_head.weight), HF names."""
+    r = np.random.default_rng(5)
+    arrays = {
+        "model.embed_tokens.weight": r.normal(size=(11, 4)).astype(np.float32),
+        "model.hidden.weight": r.normal(size=(4, 4)).astype(np.float32),
+        "model.hidden.bias": r.normal(size=4).astype(np.float32),
+        **extra,
+    }
+    f = tmp_path / "hf.safetensors"
+    safetensors.numpy.save_file(arrays, f, metadata={"format": "pt"})
+    return f, arrays
+
+
+def test_a_plain_file_storing_a_tie_once_fills_both_places(tmp_path):
+    f, arrays = hf_file(tmp_path)
+    back = tied.load(f, hf_lm(), strict=False, rename=HF_NAMES)
+    assert back.layers[2].weight is back.layers[0].weight  # the tie comes from like
+    assert same_bits(back.layers[0].weight, arrays["model.embed_tokens.weight"])
+    assert same_bits(back.layers[1].weight, arrays["model.hidden.weight"])
+    assert same_bits(back.layers[1].bias, arrays["model.hidden.bias"])
+    assert back.layers[2].bias is None and isinstance(back.layers[0].weight, jax.Array)
+    # The same with a function for rename, and with the head's place named instead of the embedding's.
+    head = {"model.embed_tokens.weight": ".layers[2].weight"}
+    back = tied.load(f, hf_lm(), strict=False, rename=lambda k: head.get(k, HF_NAMES[k]))
+    assert back.layers[2].weight is back.layers[0].weight
+    assert same_bits(back.layers[2].weight, arrays["model.embed_tokens.weight"])
+
+
+def test_a_plain_file_keyed_by_paths_needs_no_rename(tmp_path):
+    m = hf_lm(1)
+    f = tmp_path / "paths.safetensors"
+    safetensors.numpy.save_file(
+        {
+            ".layers[2].weight": np.asarray(m.layers[0].weight),
+            ".layers[1].weight": np.ones((4, 4), np.float32),
+            ".layers[1].bias": np.zeros(4, np.float32),
+        },
+        f,
+    )
+    back = tied.load(f, hf_lm(2), strict=False)
+    assert back.layers[0].weight is back.layers[2].weight
+    assert same_bits(back.layers[0].weight, m.layers[0].weight)
+    assert same_bits(back.layers[1].weight, np.ones((4, 4), np.float32))
+
+
+def test_a_plain_file_missing_an_array_names_its_places(tmp_path):
+    f, _ = hf_file(tmp_path)
+    names = {k: v for k, v in HF_NAMES.items() if "embed" not in k}
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"no key of the file holds the array at \.layers\[0\]\.weight / \.layers\[2\]\.weight",
+    ):
+        tied.load(f, hf_lm(), strict=False, rename=names, allow_extra=True)
+
+
+def test_a_plain_file_with_extra_keys(tmp_path):
+    extra = {"model.rotary.inv_freq": np.ones(2, np.float32), "x.y": np.ones(1, np.int8)}
+    f, arrays = hf_file(tmp_path, **extra)
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"keys that name no place of like: 'model.rotary.inv_freq', 'x.y'\. .*allow_extra=True",
+    ):
+        tied.load(f, hf_lm(), strict=False, rename=HF_NAMES)
+    back = tied.load(f, hf_lm(), strict=False, rename=HF_NAMES, allow_extra=True)
+    assert same_bits(back.layers[2].weight, arrays["model.embed_tokens.weight"])
+
+
+def test_a_plain_file_is_checked_for_shapes_dtypes_and_disagreeing_copies(tmp_path):
+    f, arrays = hf_file(tmp_path, **{"lm_head.weight": np.zeros((11, 4), np.float32)})
+    names = {**HF_NAMES, "lm_head.weight": ".layers[2].weight"}
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"'model.embed_tokens.weight' and 'lm_head.weight' hold different values, but in like they are "
+        r"places of one array \(\.layers\[0\]\.weight, \.layers\[2\]\.weight\)",
+    ):
+        tied.load(f, hf_lm(), strict=False, rename=names)
+    same = np.random.default_rng(5).normal(size=(11, 4)).astype(np.float32)  # hf_file's embedding
+    f, arrays = hf_file(tmp_path, **{"lm_head.weight": same})
+    back = tied.load(f, hf_lm(), strict=False, rename=names)  # a tie stored twice, equal: fine
+    assert back.layers[0].weight is back.layers[2].weight
+    f, _ = hf_file(tmp_path, **{"model.hidden.bias": np.zeros(4, np.float16)})
+    with pytest.raises(
+        tied.CheckpointError, match=r"dtype differs at \.layers\[1\]\.bias: the file has \(4,\) float16"
+    ):
+        tied.load(f, hf_lm(), strict=False, rename=HF_NAMES)
+    f, _ = hf_file(tmp_path, **{"model.hidden.bias": np.zeros(5, np.float32)})
+    with pytest.raises(tied.CheckpointError, match=r"shape differs at \.layers\[1\]\.bias"):
+        tied.load(f, hf_lm(), strict=False, rename=HF_NAMES)
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"keys 'model.hidden.bias' and 'model.hidden.weight' both name the place \.layers\[1\]\.weight",
+    ):
+        tied.load(f, hf_lm(), strict=False, rename={**HF_NAMES, "model.hidden.bias": ".layers[1].weight"})
+    with pytest.raises(tied.CheckpointError, match=r"rename failed on the file key .*KeyError"):
+        tied.load(f, hf_lm(), strict=False, rename=lambda k: {}[k])
+    with pytest.raises(tied.CheckpointError, match=r"rename turned the file key .* into 3"):
+        tied.load(f, hf_lm(), strict=False, rename=lambda k: 3)
+    with pytest.raises(tied.CheckpointError, match=r"rename=\.\.\.\) takes a mapping or a function"):
+        tied.load(f, hf_lm(), strict=False, rename=["a"])
+
+
+def test_a_tied_file_read_by_its_keys(tmp_path):
+    """strict=False reads a tied file like any other (its checksums still checked); ties come from like."""
+    m = seed_model(3)
+    f = tmp_path / "t.safetensors"
+    tied.save(f, m)
+    back = tied.load(f, seed_model(), strict=False)
+    assert back.layers[0].weight is back.layers[1].weight
+    assert same_bits(back.layers[1].weight, m.layers[0].weight)
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 4
+    f.write_bytes(bytes(raw))
+    with pytest.raises(tied.CheckpointError, match=r"do not match their CRC-32C checksum"):
+        tied.load(f, seed_model(), strict=False)
+
+
+def test_strict_false_refuses_a_path_like_writes_twice(tmp_path):
+    f = tmp_path / "odd.safetensors"
+    safetensors.numpy.save_file({".encoder.weight": np.ones((2, 2), np.float32)}, f)
+    with pytest.raises(tied.CheckpointError, match=r"like has two places written \.encoder\.weight"):
+        tied.load(f, Odd(True, jnp.zeros((2, 2)), jnp.zeros((2, 2))), strict=False, allow_extra=True)
+
+
+def test_threads_saving_to_one_path_leave_one_whole_file(tmp_path):
+    """Saves racing on one path: each writes its own locked temporary file, none removes another's,
+    and the file is always one of the saved models, whole."""
+    f = tmp_path / "race.safetensors"
+    models = [{"w": np.full((128, 128), float(i), np.float32), "i": np.array([i])} for i in range(6)]
+    errors = []
+
+    def save(m):
+        try:
+            for _ in range(3):
+                tied.save(f, m, {"i": int(m["i"][0])})
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert os.listdir(tmp_path) == ["race.safetensors"]
+    back = tied.load(f, models[0])
+    i = int(back["i"][0])
+    assert tied.load_metadata(f) == {"i": i} and same_bits(back["w"], models[i]["w"])
+
+
+def test_saving_over_a_directory_is_refused(tmp_path):
+    with pytest.raises(tied.CheckpointError, match=r"is a directory.*format='orbax'"):
+        tied.save(tmp_path, seed_model())

@@ -85,6 +85,11 @@ def save(
     if format != "safetensors":
         known = ", ".join(map(repr, _FORMATS))
         raise CheckpointError(f"tied.save(format={format!r}): the formats are {known}.")
+    if os.path.isdir(path):
+        raise CheckpointError(
+            f"{os.fspath(path)} is a directory; a safetensors checkpoint is one file. Pass a file name, or "
+            "format='orbax' to write (over) an Orbax checkpoint directory."
+        )
     leaves, doc = _manifest.describe(tree, metadata)
     _safetensors.write(path, leaves, doc)
 

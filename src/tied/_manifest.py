@@ -574,6 +574,7 @@ def match_keys(
                 "Map the file's key to one of these places with rename=..., or give like an array "
                 "the file has."
             )
+        hits.sort(key=lambda hit: ps.index(hit[0]))  # in like's walk order, whatever the file's
         for p, key in hits:
             dtype, shape = keys[key]
             _check_leaf(where, p, leaf, shape, dtype)
