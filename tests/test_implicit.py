@@ -735,6 +735,36 @@ def test_a_container_made_anew_by_a_pytree_flatten_is_refused_before_writing():
     assert stored["r"].items[0] is w
 
 
+@jax.tree_util.register_pytree_node_class
+class Wrapped:
+    """A JAX pytree whose flatten wraps what it stores in new containers on every call."""
+
+    def __init__(self, layer, w):
+        self.layer, self.w = layer, w
+
+    def tree_flatten(self):
+        return ([self.layer, {"w": self.w}],), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0][0], children[0][1]["w"])
+
+
+def test_below_a_container_made_anew_stored_objects_are_written_and_new_ones_refused():
+    d = Dense(jnp.array([[1.0, 2.0]]), jnp.zeros(1))
+    w = jnp.array([0.5, -0.5])
+    model = [Wrapped(d, w)]
+    with pytest.raises(tied.GraphError, match=r"^\[0\]\[0\]\[1\]\['w'\]: .* dict holding .* made anew"):
+        tied.gradient(lambda: model[0].w.sum(), tied.params(model))
+    assert model[0].w is w
+    # the layer inside the made-anew list is the model's own: its arrays can be written
+    x = jnp.ones((3, 2))
+    matrices = tied.params(model, trainable=lambda p, a: a.ndim == 2)
+    gs = tied.gradient(lambda: model[0].layer(x).sum(), matrices)
+    np.testing.assert_allclose(gs[d.weight], jnp.full((1, 2), 3.0), rtol=1e-6)
+    assert model[0].layer.weight is d.weight
+
+
 def test_in_place_changes_between_calls_are_seen():
     d1, d2, c, x = seed()
     ps = tied.params(c)

@@ -123,7 +123,7 @@ def slots(
     for place in gdef.walk_places():
         depth = place.depth
         if depth == 0:
-            obj, transient = model, False
+            obj, twin = model, None
             if place.kind == "array" and place.index in wanted:
                 raise GraphError(
                     f"<root>: {action} writes new arrays into the model's containers, but the "
@@ -136,37 +136,48 @@ def slots(
             i = node.next
             node.next = i + 1
             obj = node.children[i]
-            transient = node.remade is not None and node.remade[i]
+            twin = node.twins[i] if node.twins is not None else None
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
                 if not _writable(kind) or (
                     not frozen_ok and kind.name in ("object", "dataclass") and _is_frozen_dataclass(node.obj)
                 ):
                     raise _immutable_error(place.path, kind, node.obj, action)
-                if node.transient:
+                if node.twin is not None:
                     raise _transient_error(place.path, node.obj, action)
                 out[wanted[place.index]].append(Slot(place.path, kind, node.meta, node.obj, i))
                 continue
         if place.kind in ("array", "static") or not place.first:
             continue
-        open_nodes.append(_Open(obj, _KIND_BY_NAME[place.kind], transient))
+        open_nodes.append(_Open(obj, _KIND_BY_NAME[place.kind], twin))
     return out
 
 
 class _Open:
-    """A node whose children the walk is visiting: the live object and its live children."""
+    """A node whose children the walk is visiting: the live object and its live children.
 
-    __slots__ = ("obj", "kind", "children", "meta", "next", "remade", "transient")
+    A kind that cannot be written may make its children on the fly (a pytree's
+    flatten builds a list): a child that is not the same object when the children
+    are asked for again is made anew, and so is anything below it that differs
+    between the two copies. ``twin`` is the other copy of a node made anew (None
+    for a node the model stores); ``twins[i]``, that of child i.
+    """
 
-    def __init__(self, obj: Any, kind: Kind, transient: bool):
-        self.obj, self.kind, self.transient, self.next = obj, kind, transient, 0
+    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins")
+
+    def __init__(self, obj: Any, kind: Kind, twin: Any):
+        self.obj, self.kind, self.twin, self.next = obj, kind, twin, 0
         self.children, self.meta = kind.children(obj)
-        # A kind that cannot be written may make its children on the fly (a pytree's
-        # flatten): a child that is not the same object on a second call is made anew.
-        self.remade = None
-        if not _writable(kind):
+        self.twins = None
+        if twin is not None:
+            again = kind.children(twin)[0]
+        elif not _writable(kind):
             again = kind.children(obj)[0]
-            self.remade = [a is not b for a, b in zip(self.children, again)]
+        else:
+            return
+        if len(again) != len(self.children):  # a flatten that changes its mind: all made anew
+            again = [object()] * len(self.children)
+        self.twins = [b if a is not b else None for a, b in zip(self.children, again)]
 
 
 def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError:
