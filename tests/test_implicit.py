@@ -675,6 +675,41 @@ def test_fun_that_assigns_to_a_parameter_place_is_refused_and_the_original_is_ba
     assert d1.weight is w and d2.weight is w
 
 
+def test_running_statistics_updated_inside_fun_with_stop_gradient():
+    w = jnp.array([[1.0, -2.0], [0.5, 3.0]])
+    model = {"w": w, "stats": {"mean": jnp.zeros(2)}}
+    x = jnp.arange(6.0).reshape(3, 2)
+    ps = tied.params(model, trainable=lambda path, a: "stats" not in path)
+    assert len(ps) == 1
+
+    def fun(keep_gradient=False):
+        y = x @ model["w"]
+        mean = y.mean(0)
+        model["stats"]["mean"] = mean if keep_gradient else jax.lax.stop_gradient(mean)
+        return (y**2).sum()
+
+    gs = tied.gradient(fun, ps)
+    np.testing.assert_allclose(gs[w], 2 * x.T @ (x @ w), rtol=1e-6)
+    np.testing.assert_allclose(model["stats"]["mean"], np.asarray(x @ w).mean(0), rtol=1e-6)
+    assert not isinstance(model["stats"]["mean"], jax.core.Tracer) and model["w"] is w
+    # without stop_gradient the stored value would be a dead tracer: refused, naming the place
+    with pytest.raises(tied.GraphError, match=r"^\['stats'\]\['mean'\]: fun stored a value computed"):
+        tied.gradient(lambda: fun(keep_gradient=True), ps)
+    assert model["w"] is w
+
+
+def test_fun_that_stores_a_traced_value_at_a_new_place_names_it():
+    d1, d2, c, x = seed()
+
+    def fun():
+        c.cache = c.layers[0].weight * 2
+        return c(x).sum()
+
+    with pytest.raises(tied.GraphError, match=r"^\.cache: fun stored a value computed from the traced"):
+        tied.gradient(fun, tied.params(c))
+    assert d1.weight is d2.weight and not isinstance(d1.weight, jax.core.Tracer)
+
+
 def test_fun_that_removes_a_parameter_place_names_it():
     w1, w2 = jnp.ones(2), jnp.full(2, 2.0)
     model = {"ws": [w1, w2]}

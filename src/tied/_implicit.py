@@ -357,16 +357,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
                 expected[i] = v
             check_written(model, gdef, expected, where, why=_NOT_SEEN)
             out = fun()
-            moved = changed(where, values)
-            if moved:
-                raise GraphError(
-                    f"{', '.join(s.path or '<root>' for s in moved)}: fun assigned a new value to "
-                    "this parameter place during tied.gradient. Implicit mode puts each "
-                    "parameter's array back at every place when the call ends, so the "
-                    "assignment would be undone silently; the original array is back. Change "
-                    "the model after tied.gradient returns (or use tied.grad with has_aux=True "
-                    "to return new values)."
-                )
+            _check_after(model, gdef, expected, where, values)
             return out
 
         try:
@@ -374,6 +365,39 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
         finally:
             restore(where, originals, action="tied.gradient")
     return Grads(originals, grads)
+
+
+def _check_after(model: Any, gdef: GraphDef, expected: list, where: list, values: list) -> None:
+    """Refuse what ``fun`` did to the model that the end of the call would get wrong silently."""
+    leaves, now = flatten(model)
+    if now == gdef and all(a is b for a, b in zip(leaves, expected)):
+        return
+    moved = changed(where, values)
+    if moved:
+        raise GraphError(
+            f"{', '.join(s.path or '<root>' for s in moved)}: fun assigned a new value to this "
+            "parameter place (or removed it) during tied.gradient. Implicit mode puts each "
+            "parameter's array back at every place when the call ends, so the assignment "
+            "would be undone silently; the original array is back. Change the model after "
+            "tied.gradient returns, or store jax.lax.stop_gradient(value) in a place that "
+            "trainable= leaves out (running statistics)."
+        )
+    # A value computed from this call's traced parameters, stored at a new place, would
+    # be a dead traced value afterwards. (JAX tracers name their trace in `_trace`; where
+    # that is missing, JAX itself complains on the value's next use.)
+    trace = getattr(values[0], "_trace", None) if values else None
+    if trace is None:
+        return
+    ours = {id(v) for v in values}
+    for x, paths in zip(leaves, now.leaf_paths()):
+        if getattr(x, "_trace", None) is trace and id(x) not in ours:
+            raise GraphError(
+                f"{paths[0] or '<root>'}: fun stored a value computed from the traced parameters "
+                "here during tied.gradient; after the call it would be a dead traced value "
+                "(JAX's UnexpectedTracerError on its next use), and it is still there: assign "
+                "an array to it. Store jax.lax.stop_gradient(value) instead (running "
+                "statistics), or compute it outside fun."
+            )
 
 
 _NOT_SEEN = (
