@@ -7,12 +7,17 @@ each its own partial gradient, an optax step moves them apart, and after trainin
 (Equinox's FAQ calls this reuse "buggy code" and offers `eqx.nn.Shared`).
 
 `tied` walks the same module as a DAG: one parameter set, one gradient node at
-both fields, one Adam state, and after training `model.hidden is model.again`.
+both fields (the sum of Equinox's two per-field partials), one Adam state, one
+entry in a checkpoint, and after training and a save/load round trip
+`model.hidden is model.again`.
 
 Run: python examples/equinox_interop.py
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -58,7 +63,7 @@ def train_tied(model, x, y, steps):
 
     for _ in range(steps):
         model, state, _ = step(model, state)
-    return model
+    return model, state
 
 
 def train_plain_equinox(model, x, y, steps):
@@ -88,14 +93,25 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
 
     g = tied.grad(loss_fn)(model, x, y)
     one_node = g.hidden is g.again
-    say("tied.grad: g.hidden is g.again (one total for the reused Linear):", one_node)
+    # Equinox sees two fields, so its gradient has one partial per field; tied's is their sum
+    parts = eqx.filter_grad(loss_fn)(model, x, y)
+    total_gap = float(jnp.abs(parts.hidden.weight + parts.again.weight - g.hidden.weight).max())
+    say(f"tied.grad: g.hidden is g.again (one total for the reused Linear): {one_node}; it is "
+        f"the sum of Equinox's two per-field partials (max difference {total_gap:.1e})")
 
     before = float(loss_fn(model, x, y))
-    trained = train_tied(model, x, y, steps)
+    trained, state = train_tied(model, x, y, steps)
     after = float(loss_fn(trained, x, y))
     kept = trained.hidden is trained.again
     say(f"tied + optax.adam: loss {before:.4f} -> {after:.4f}; "
         f"trained.hidden is trained.again: {kept}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "eqx.safetensors"
+        tied.save(path, (trained, state))
+        back, _ = tied.load(path, like=(trained, state))
+    reloaded = back.hidden is back.again and float(loss_fn(back, x, y)) == after
+    say(f"tied.save / tied.load: back.hidden is back.again and the same loss: {reloaded}")
 
     plain, plain_state = train_plain_equinox(model, x, y, steps)
     gap = float(jnp.abs(plain.hidden.weight - plain.again.weight).max())
@@ -108,7 +124,9 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
         "loss_before": before,
         "loss_after": after,
         "one_node": one_node,
+        "total_gap": total_gap,
         "kept": kept,
+        "reloaded": reloaded,
         "plain_broken": plain.hidden is not plain.again and gap > 0,
         "plain_states": plain_states,
         "tied_states": tied_states,

@@ -23,6 +23,7 @@ def test_every_example_is_tested():
     tested = {"seed", "albert", "tied_autoencoder", "tied_lm", "siamese", "rnn", "equinox_interop"}
     tested.add("data_parallel")  # run under 8 fake devices by tests/test_sharding.py (tests/multidevice)
     tested.add("optax_by_path")  # run by tests/test_optim.py
+    tested.add("flax_nnx_interop")
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -85,8 +86,17 @@ def test_rnn_loop_and_scan_agree():
 
 def test_equinox_interop_tied_keeps_the_tie_plain_equinox_breaks_it():
     r = load("equinox_interop").main(verbose=False)
-    assert r["one_node"] and r["kept"]
+    assert r["one_node"] and r["kept"] and r["reloaded"]
+    assert r["total_gap"] < 1e-5
     assert r["plain_broken"]
     assert (r["tied_states"], r["plain_states"]) == (6, 8)
     assert r["loss_after"] < r["loss_before"] / 10
     assert jnp.isfinite(r["loss_after"])
+
+
+def test_flax_nnx_interop_tied_agrees_with_nnx_plain_jax_breaks_the_tie():
+    r = load("flax_nnx_interop").main(verbose=False)
+    assert r["one_grad"] and r["kept"] and r["reloaded"]
+    assert r["total_gap"] < 1e-5 and r["agree_with_nnx"] < 1e-4
+    assert r["plain_broken"]
+    assert r["loss_after"] < r["loss_before"] / 10

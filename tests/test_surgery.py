@@ -445,3 +445,50 @@ def test_frozen_dataclass_and_slots_places_are_edited_on_the_copy_only():
     out = treplace(tree, "[1].a", jnp.zeros(2))
     assert out[0].a is out[1].a is out[0].b.a and not np.any(np.asarray(out[0].a))
     assert_unchanged(tree, snap)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Remade:
+    """A pytree that hands JAX a new copy of its list each time it is flattened."""
+
+    def __init__(self, items):
+        self.items = items  # kept as given: tied rebuilds a list after the node holding it
+
+    def tree_flatten_with_keys(self):
+        return [(K.GetAttrKey("items"), list(self.items))], None
+
+    def tree_flatten(self):
+        return [list(self.items)], None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+
+def test_places_in_a_container_made_anew_on_each_flatten():
+    w1, w2 = jnp.ones(2), jnp.zeros(2)
+    m = {"r": Remade([w1, w2]), "x": jnp.full(2, 3.0)}
+    r = tied.ties({"a": m["r"], "b": m["r"]})[0][0]  # the path as tied prints it
+    items = r.replace("['a']", "['r']") + "[0]"  # the list the pytree hands JAX
+    out = ttie(m, "['x']", items + "[0]")  # written into the pytree's own storage
+    assert out["r"].items[0] is out["x"] and m["r"].items[0] is w1
+    out = tuntie(ttie(m, items + "[0]", items + "[1]"), items + "[1]")
+    assert out["r"].items[0] is w1 and out["r"].items[1] is not w1
+    np.testing.assert_array_equal(out["r"].items[1], w1)
+    out = treplace(m, items + "[1]", jnp.full(2, 5.0))
+    assert float(out["r"].items[1][0]) == 5.0 and out["r"].items[0] is w1
+    with pytest.raises(tied.GraphError, match=r"\['r'\]\[0\] did not keep what was written there.*made "
+                                              r"anew each time the model is walked"):
+        ttie({"r": m["r"], "l": [w2, w1]}, "['l']", items)  # the pytree's list is a copy
+
+
+def test_mutation_between_calls_is_seen():
+    d = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+    m = Chain(d, d)
+    assert tied.ties(tuntie(m, ".layers[1]")) == []
+    m.layers[1] = Dense(jnp.ones((2, 2)), jnp.zeros(2))  # the user cuts the tie in place
+    again = ttie(m, ".layers[0]", ".layers[1]")
+    assert again.layers[0] is again.layers[1] and again.layers[0].weight is d.weight
+    m.layers.append(d)  # and adds a third place of d
+    out = treplace(m, ".layers[2]", Dense(jnp.zeros((2, 2)), jnp.ones(2)))
+    assert out.layers[0] is out.layers[2] and out.layers[1] is not out.layers[0]

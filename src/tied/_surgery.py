@@ -172,6 +172,10 @@ def put(root: Any, steps: tuple[str, ...], value: Any, places: Places) -> Any:
         return root
     new = with_child(parent, kind, steps[-1], value)
     if new is parent:
+        if len(steps) > 1 and get(root, steps[:-1], places) is not parent:
+            # the parent is made anew each time its own container is read (a pytree whose
+            # flatten builds a list): write the changed one into that container
+            return put(root, steps[:-1], parent, places)
         return root
     now = Places(flatten(root)[1])  # the root still holds the old parent at all its places
     for q in sorted(now.same_object("".join(steps[:-1])), key=len, reverse=True):
@@ -291,6 +295,10 @@ def tie(tree: Any, *paths: str) -> Any:
         _check_tieable(paths[0], objs[0], p, o)
     for s in steps[1:]:
         fresh = put(fresh, s, objs[0], places)
+    after = Places(flatten(fresh)[1])
+    for p in paths[1:]:
+        if (after.kind.get(p), after.index.get(p)) != (after.kind[paths[0]], after.index[paths[0]]):
+            raise _not_kept("tied.tie", p, "tie it")
     return fresh
 
 
@@ -338,7 +346,11 @@ def untie(tree: Any, path: str) -> Any:
                 f"tied.untie(tree, {inner!r})."
             )
     fresh = unflatten(gdef, leaves)
-    return put(fresh, steps, deep_copy(get(fresh, steps, places)), places)
+    fresh = put(fresh, steps, deep_copy(get(fresh, steps, places)), places)
+    after = Places(flatten(fresh)[1])
+    if path and (path not in after.kind or after.same_object(path) != (path,)):
+        raise _not_kept("tied.untie", path, "untie it")
+    return fresh
 
 
 def replace(tree: Any, path: str, value: Any) -> Any:
@@ -379,9 +391,24 @@ def replace(tree: Any, path: str, value: Any) -> Any:
         new[places.leaf_of[path]] = value
         return unflatten(gdef, new)
     fresh, value = joint if joint is not None else (unflatten(gdef, leaves), value)
-    for q in sorted(places.same_object(path), key=len, reverse=True):
+    targets = sorted(places.same_object(path), key=len, reverse=True)
+    if "" in targets:  # the root itself (it may also sit below itself, on a cycle)
+        return value
+    for q in targets:
         fresh = put(fresh, places.steps[q], value, places)
+    for q in targets:
+        if get(fresh, places.steps[q], places) is not value:
+            raise _not_kept("tied.replace", q, "put an object there")
     return fresh
+
+
+def _not_kept(who: str, path: str, what: str) -> GraphError:
+    return GraphError(
+        f"{who}: {_show(path)} did not keep what was written there: a container above it is "
+        "made anew each time the model is walked (the flatten of a JAX pytree node builds it "
+        f"from other data), so tied cannot {what} by reference. Let the pytree's flatten "
+        "return the containers it stores."
+    )
 
 
 def _joint(tree: Any, value: Any) -> tuple[Any, Any] | None:
