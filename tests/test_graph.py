@@ -732,3 +732,17 @@ def test_plain_jax_on_a_tied_node_says_what_to_do():
     pair = EqxPair(d, jnp.ones(1))
     leaves, _ = tied.flatten(pair)
     assert len(leaves) == 3
+
+
+def test_a_rebuilt_dict_iterates_in_the_models_insertion_order():
+    a, b = jnp.ones(1), 2 * jnp.ones(1)
+    for _ in range(3):
+        tied.flatten({"a": a, "b": b})
+        tied.unflatten(*reversed(tied.flatten({"a": a, "b": b})))
+    model = {"b": b, "a": a}  # leaves still come in sorted key order
+    for _ in range(3):
+        leaves, gdef = tied.flatten(model)
+        assert [id(x) for x in leaves] == [id(a), id(b)]
+        assert list(tied.unflatten(gdef, leaves)) == ["b", "a"]
+    first = tied.jit(lambda d: next(iter(d.values())))
+    assert float(first(model)[0]) == 2.0 and float(first({"a": a, "b": b})[0]) == 1.0

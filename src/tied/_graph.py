@@ -173,26 +173,37 @@ def _dict_keys(x: Any) -> tuple:
 
 
 class _Dict(Kind):
+    """A dict. Children in sorted key order (insertion order for keys that cannot be
+    sorted), so leaf order does not depend on how the dict was built; meta is
+    ``(keys, order)``, ``order`` the insertion order when it differs, so the rebuilt
+    dict iterates as the model's did."""
+
     name, mutable, writable = "dict", True, True
 
     def children(self, x):
         keys = _dict_keys(x)
-        return [x[k] for k in keys], keys
+        order = tuple(x)
+        return [x[k] for k in keys], (keys, None if order == keys else order)
 
     def key(self, meta, i, n):
-        return f"[{meta[i]!r}]"
+        return f"[{meta[0][i]!r}]"
 
     def shell(self, meta):
         return {}
 
     def fill(self, meta, obj, children):
-        obj.update(zip(meta, children))
+        keys, order = meta
+        if order is None:
+            obj.update(zip(keys, children))
+        else:
+            by_key = dict(zip(keys, children))
+            obj.update((k, by_key[k]) for k in order)
 
     def mirror(self, meta, obj, n):
-        return [obj[k] for k in meta]
+        return [obj[k] for k in meta[0]]
 
     def setter(self, meta, obj, i):
-        key = meta[i]
+        key = meta[0][i]
         return lambda v: obj.__setitem__(key, v)
 
     def type_of(self, meta):
@@ -321,9 +332,11 @@ class _DictSubclass(Kind):
 
     def children(self, x):
         keys = _dict_keys(dict.keys(x))
+        order = tuple(dict.keys(x))
         d = getattr(x, "__dict__", None) or {}
         get = dict.__getitem__
-        return [*(get(x, k) for k in keys), *d.values()], (type(x), keys, tuple(d))
+        meta = (type(x), keys, tuple(d), None if order == keys else order)
+        return [*(get(x, k) for k in keys), *d.values()], meta
 
     def key(self, meta, i, n):
         keys = meta[1]
@@ -333,10 +346,11 @@ class _DictSubclass(Kind):
         return dict.__new__(meta[0])
 
     def fill(self, meta, obj, children):
-        keys = meta[1]
-        dict.update(obj, zip(keys, children))
-        if meta[2]:
-            obj.__dict__.update(zip(meta[2], children[len(keys) :]))
+        _, keys, names, order = meta
+        by_key = dict(zip(keys, children))
+        dict.update(obj, ((k, by_key[k]) for k in (keys if order is None else order)))
+        if names:
+            obj.__dict__.update(zip(names, children[len(keys) :]))
 
     def mirror(self, meta, obj, n):
         d = getattr(obj, "__dict__", None) or {}
@@ -907,8 +921,10 @@ class GraphDef:
                 yield Place(path, depth, KINDS[kind].name, q, first, KINDS[kind].type_of(meta), value)
 
     def leaf_paths(self) -> tuple[tuple[str, ...], ...]:
-        """For each unique array (in `flatten` order), the keystr paths of all its places,
-        in walk order. The root's own path is ``""``."""
+        """For each unique array (in `flatten` order), the keystr paths of its places in
+        walk order, entering each shared node once (the places below a shared node are
+        listed under its first place; `place_leaves` lists every place). The root's own
+        path is ``""``."""
         return tuple(tuple(p) for p in place_paths(self).leaves)
 
     def node_paths(self) -> tuple[tuple[str, ...], ...]:

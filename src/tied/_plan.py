@@ -152,16 +152,18 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                     seen_leaf.update(leaf_qs)
                     bulk.add(q)
         elif kind == g.DICT:
-            keys = const(meta, "K")
-            emit(f" if type({v}) is not dict or len({v}) != {n}: raise M")
-            child_expr[q] = [f"{v}[{keys}[{k}]]" for k in range(n)]
-            if all(type(k) is str for k in meta):
+            keys, order = meta
+            ks = const(keys, "K")
+            inserted = const(keys if order is None else order, "KI")
+            # The keys in the model's insertion order (which the rebuilt dict keeps).
+            emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
+            child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
+            if all(type(k) is str for k in keys):
                 if n:
-                    str_dicts.append(v)  # equal lookups of exact str keys: the same keys
-            else:  # 1 == 1.0 == True: compare the keys themselves, in the walk's order
-                sk = const(tuple(map(g._strict, meta)), "SK")
-                emit(f" if tuple(map(STRICT, DK({v}))) != {sk}: raise M")
-                ns["DK"] = g._dict_keys
+                    str_dicts.append(v)  # equal exact-str keys: the same keys
+            else:  # 1 == 1.0 == True: compare the keys themselves, type and bits
+                sk = const(tuple(map(g._strict, keys if order is None else order)), "SK")
+                emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
         elif kind == g.OBJ:
             objects.append((v, f"d{q}", meta[0], meta[1]))
             emit(f" d{q} = {v}.__dict__")
@@ -308,7 +310,11 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
         if kind == g.LIST:
             emit(f" n{j}.extend({args(refs)})")
         elif kind == g.DICT:
-            ns[f"K{j}"] = meta
+            keys, order = meta
+            if order is not None:  # fill in the model's insertion order
+                position = {k: i for i, k in enumerate(keys)}
+                keys, refs = order, tuple(refs[position[k]] for k in order)
+            ns[f"K{j}"] = keys
             emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
         elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
             for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
