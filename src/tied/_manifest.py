@@ -27,10 +27,11 @@ big for one host need never be materialised to be loaded.
 
 Places are keystr strings, which are not always unique: an attribute literally
 named ``"encoder.weight"`` and the ``weight`` of an attribute ``encoder`` are
-both written ``.encoder.weight``. Places are therefore compared as
-``(path, n)``: the n-th place written so, counted in a canonical order (unique
-arrays in flatten order, each array's places in walk order), which both sides
-of a load compute the same way from the same structure.
+both written ``.encoder.weight``. Where a tree writes two array places alike,
+the manifest also records each such place's keys (the keystr pieces from the
+root: ``[".encoder.weight"]`` and ``[".encoder", ".weight"]``) under
+``place_keys``, and those places are compared by their keys, so they are told
+apart whatever the order of the attributes.
 
 Example (the sharing a manifest records):
 
@@ -185,17 +186,15 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
     """
     user = user_metadata(metadata)
     leaves, gdef = flatten(tree)
-    paths = gdef.leaf_paths()
+    paths, keys = _array_places(gdef)
     names = _tensor_names(paths)
-    arrays = [
-        {
-            "name": name,
-            "dtype": dtype_name(leaf),
-            "shape": [int(d) for d in leaf.shape],
-            "places": list(ps),
-        }
-        for leaf, name, ps in zip(leaves, names, paths)
-    ]
+    written = _written(paths)
+    arrays = []
+    for leaf, name, ps, ks in zip(leaves, names, paths, keys):
+        entry = {"name": name, "dtype": dtype_name(leaf), "shape": [int(d) for d in leaf.shape], "places": ps}
+        if any(written[p] > 1 for p in ps):
+            entry["place_keys"] = [list(k) for k in ks]
+        arrays.append(entry)
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -205,6 +204,46 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         "user": user,
     }
     return leaves, doc
+
+
+def _array_places(gdef: GraphDef) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
+    """For each unique array, its places in walk order, and each place's keys: the keystr
+    pieces from the root (``(".encoder", ".weight")``), which tell apart places written alike."""
+    paths: list[list[str]] = [[] for _ in range(gdef.num_leaves)]
+    keys: list[list[tuple[str, ...]]] = [[] for _ in range(gdef.num_leaves)]
+    above: list[tuple[str, tuple[str, ...]]] = []  # the node entered at each depth, with its keys
+    for p in gdef.walk_places():
+        if p.depth == 0:
+            mine: tuple[str, ...] = ()
+        else:
+            parent, parent_keys = above[p.depth - 1]
+            mine = (*parent_keys, p.path[len(parent) :])
+        if p.kind == "array":
+            paths[p.index].append(p.path)
+            keys[p.index].append(mine)
+        elif p.kind != "static" and p.first:  # a node whose children come next
+            del above[p.depth :]
+            above.append((p.path, mine))
+    return paths, keys
+
+
+def _written(paths: Sequence[Sequence[str]]) -> dict[str, int]:
+    """How many places are written as each path."""
+    count: dict[str, int] = {}
+    for ps in paths:
+        for p in ps:
+            count[p] = count.get(p, 0) + 1
+    return count
+
+
+def _array_ids(paths: Sequence[Sequence[str]], keys: Sequence[Sequence[Any] | None]) -> list[list[tuple]]:
+    """Each array place as ``(path, keys)``: keys ``()`` where no other place is written alike, else
+    the place's keys (which `validate` makes sure a manifest has for such places)."""
+    written = _written(paths)
+    return [
+        [(p, tuple(ks[j]) if written[p] > 1 else ()) for j, p in enumerate(ps)]  # type: ignore[index]
+        for ps, ks in zip(paths, keys)
+    ]
 
 
 def _views(gdef: GraphDef) -> list[dict]:
@@ -284,6 +323,24 @@ def validate(doc: Any, where: str) -> dict:
         if not valid_shape(a.get("shape")):
             raise bad(f"array {name!r} has an invalid shape {a.get('shape')!r}")
         paths_list(a.get("places"), f"array {name!r} places")
+        if "place_keys" in a:
+            ks = a["place_keys"]
+            if (
+                not isinstance(ks, list)
+                or len(ks) != len(a["places"])
+                or not all(isinstance(k, list) and all(isinstance(s, str) for s in k) for k in ks)
+            ):
+                raise bad(f"array {name!r} place_keys is not a list of keys for each place")
+    written = _written([a["places"] for a in arrays])
+    placed: set[tuple] = set()
+    for a in arrays:
+        for j, p in enumerate(a["places"]):
+            if written[p] > 1:  # a tree that writes places alike records their keys
+                if "place_keys" not in a:
+                    raise bad(f"the place {keystr(p)} is listed twice, without keys to tell them apart")
+                if (p, tuple(a["place_keys"][j])) in placed:
+                    raise bad(f"the place {keystr(p)} is listed twice with the same keys")
+                placed.add((p, tuple(a["place_keys"][j])))
     nodes = doc.get("shared_nodes")
     if not isinstance(nodes, list):
         raise bad("'shared_nodes' is not a list")
@@ -320,8 +377,13 @@ def _ids(groups: Sequence[Sequence[str]]) -> list[list[tuple[str, int]]]:
     return out
 
 
-def _show(ids: Sequence[tuple[str, int]]) -> str:
-    shown = ", ".join(keystr(p) + (f" (place {n + 1} written so)" if n else "") for p, n in ids[:5])
+def _show(ids: Sequence[tuple]) -> str:
+    def one(p: str, n: Any) -> str:
+        if isinstance(n, tuple):  # an array place: its keys where another place is written alike
+            return keystr(p) + (f" (keys {' '.join(n)})" if n else "")
+        return keystr(p) + (f" (place {n + 1} written so)" if n else "")
+
+    shown = ", ".join(one(p, n) for p, n in ids[:5])
     return shown + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
 
 
@@ -329,12 +391,21 @@ def _private(path: str) -> bool:
     return any(part.startswith("_") for part in path.replace("[", ".").split(".")[1:] if part)
 
 
-def _missing(where: str, ids: list[tuple[str, int]], side: str, other: str) -> CheckpointError:
+def _missing(
+    where: str, ids: list[tuple], side: str, other: str, other_paths: Any = ()
+) -> CheckpointError:
     hint = ""
     if side == "the file" and any(_private(p) for p, _ in ids):
         hint = (
             " A path naming a private attribute that `like` lacks is refused; tied never sets "
             "attributes the file names."
+        )
+    alike = [p for p, _ in ids if p in other_paths]
+    if alike:
+        hint += (
+            f" {other[0].upper() + other[1:]} has places written {keystr(alike[0])} too, with other keys "
+            "(keystr pieces from the root): an attribute whose name holds a '.' or brackets is where "
+            "the two differ."
         )
     return CheckpointError(
         f"{where}: places in {side} but not in {other}: {_show(ids)}.{hint} The checkpoint was saved from "
@@ -424,7 +495,7 @@ def match(doc: dict, like: Any, where: str) -> Match:
         ['.layers[0].weight', '.layers[0].bias']
     """
     leaves, gdef = flatten(like)
-    paths = list(gdef.leaf_paths())
+    paths, keys = _array_places(gdef)
 
     like_views = gdef.views()
     like_view_ids = _ids([v.paths for v in like_views])
@@ -449,16 +520,16 @@ def match(doc: dict, like: Any, where: str) -> Match:
             )
     _groups_differ(where, "node", _ids(gdef.shared_node_paths()), _ids(doc["shared_nodes"]))
 
-    like_ids = _ids(paths)
-    file_ids = _ids([a["places"] for a in doc["arrays"]])
+    like_ids = _array_ids(paths, keys)
+    file_ids = _array_ids([a["places"] for a in doc["arrays"]], [a.get("place_keys") for a in doc["arrays"]])
     like_at = {p: i for i, ids in enumerate(like_ids) for p in ids}
     file_at = {p: k for k, ids in enumerate(file_ids) for p in ids}
     only_like = [p for p in like_at if p not in file_at]
     if only_like:
-        raise _missing(where, only_like, "like", "the file")
+        raise _missing(where, only_like, "like", "the file", {p for p, _ in file_at})
     only_file = [p for p in file_at if p not in like_at]
     if only_file:
-        raise _missing(where, only_file, "the file", "like")
+        raise _missing(where, only_file, "the file", "like", {p for p, _ in like_at})
     _groups_differ(where, "array", like_ids, file_ids)
 
     entries = []
@@ -466,7 +537,7 @@ def match(doc: dict, like: Any, where: str) -> Match:
         a = doc["arrays"][file_at[ids[0]]]
         _check_leaf(where, ids[0][0], leaf, a["shape"], a["dtype"])
         entries.append(a)
-    return Match(gdef, leaves, entries, paths)
+    return Match(gdef, leaves, entries, [tuple(ps) for ps in paths])
 
 
 def match_keys(
