@@ -242,3 +242,39 @@ def test_nnx_layer_inside_a_tied_chain_and_tied_map():
 
     half = tmap(lambda a: a.astype(jnp.bfloat16), TiedLM(nnx.Rngs(0)))
     assert half.head is half.embed.embedding and half.head[...].dtype == jnp.bfloat16
+
+
+def test_surgery_on_nnx_and_equinox_modules():
+    from tied._map import map as tmap
+    from tied._surgery import replace, tie, untie
+
+    m = TiedLM(nnx.Rngs(0))
+    u = untie(m, ".head")  # the head gets its own nnx.Param, a copy of the embedding
+    assert u.head is not u.embed.embedding and isinstance(u.head, nnx.Param)
+    np.testing.assert_array_equal(u.head[...], m.embed.embedding[...])
+    assert tied.ties(u) == [(".again", ".block")] and m.head is m.embed.embedding
+    t = tie(u, ".embed.embedding", ".head")  # and tied back, as Hugging Face's tie_weights
+    assert t.head is t.embed.embedding
+    new = nnx.Linear(D, D, rngs=nnx.Rngs(5))
+    r = replace(m, ".block", new)  # both places of the reused layer
+    assert r.block is new and r.again is new
+    by_hand = TiedLM(nnx.Rngs(0))
+    by_hand.block = by_hand.again = new
+    np.testing.assert_allclose(nnx_loss(r), nnx_loss(by_hand), rtol=1e-6)
+    seen = []
+
+    def zero_kernels(x):  # f also gets the arrays outside every nnx.Linear (the embedding)
+        if not isinstance(x, nnx.Linear):
+            return x
+        seen.append(x)
+        return replace(x, ".kernel", nnx.Param(x.kernel[...] * 0))
+
+    zeroed = tmap(zero_kernels, m, is_leaf=lambda x: isinstance(x, nnx.Linear))
+    assert seen == [m.block] and zeroed.block is zeroed.again and not np.any(zeroed.block.kernel[...])
+    assert zeroed.head is zeroed.embed.embedding and zeroed.head[...] is m.head[...]
+
+    e = make_eqx()
+    u = untie(e, ".again")
+    assert u.again is not u.hidden and tied.ties(u) == [(".first.weight", ".head_w")]
+    g = check_grad(u, eqx_loss)  # now two parameters, each with its own total
+    assert g.again is not g.hidden
