@@ -256,19 +256,23 @@ def _remove_leftovers(target: str) -> None:
 def _create_locked_temp(target: str) -> tuple[str, int]:
     """A new temporary file beside ``target``, created and locked by us (retried if a cleaner raced us)."""
     folder = os.path.dirname(os.path.abspath(target))
-    while True:
+    for _ in range(100):
         tmp = os.path.join(folder, _temp_prefix(target) + secrets.token_hex(8))
         # os.open with 0o666 lets the umask decide the mode, as for any new file.
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         if fcntl is None:
             return tmp, fd
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: unlocked, so no cleaner will take it for dead
+            return tmp, fd
         try:
             if os.path.samestat(os.fstat(fd), os.lstat(tmp)):
                 return tmp, fd
         except OSError:
             pass
         os.close(fd)  # a cleaner removed it between our create and our lock: take another name
+    raise CheckpointError(f"{target}: could not create a temporary file beside it that stays in place.")
 
 
 def _atomic_write(path: str, body: Callable[[Any], None]) -> None:
