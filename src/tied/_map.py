@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ._graph import GraphDef, flatten, unflatten
 from ._surgery import Places, get, put
 
@@ -79,17 +77,19 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
                 "ema = tied.map(jnp.copy, model)."
             )
         others.append(r_leaves)
-    first = [ps[0] for ps in gdef.leaf_paths()] if with_path else [""] * len(leaves)
+    first = [ps[0] for ps in gdef.leaf_paths()] if with_path else None
 
     def call(path: str, x: Any, ys: list) -> Any:
         return f(path, x, *ys) if with_path else f(x, *ys)
 
     def mapped(i: int) -> Any:
-        return call(first[i], leaves[i], [o[i] for o in others])
+        return call(first[i] if with_path else "", leaves[i], [o[i] for o in others])
 
-    if is_leaf is None:
-        return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
-    return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
+    if is_leaf is not None:
+        return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
+    if with_path:
+        return unflatten(gdef, [f(p, *xs) for p, *xs in zip(first, leaves, *others)])
+    return unflatten(gdef, [f(*xs) for xs in zip(leaves, *others)])
 
 
 def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
@@ -147,9 +147,10 @@ def _difference(ga: GraphDef, la: list, gb: GraphDef, lb: list) -> str | None:
     """Where graph b first differs from graph a (walk order of a), or None if they agree
     in GraphDef and array shapes."""
     if ga == gb:
-        for (p, *_), x, y in zip(ga.leaf_paths(), la, lb):
-            if np.shape(x) != np.shape(y):
-                return f"{p or '<root>'} has shape {np.shape(y)}, expected {np.shape(x)}"
+        for i, (x, y) in enumerate(zip(la, lb)):
+            if x.shape != y.shape:
+                p = ga.leaf_paths()[i][0]
+                return f"{p or '<root>'} has shape {tuple(y.shape)}, expected {tuple(x.shape)}"
         return None
     pa, pb = Places(ga).leaf_of, Places(gb).leaf_of  # every array place, in walk order
     for p in pa:
@@ -168,8 +169,8 @@ def _difference(ga: GraphDef, la: list, gb: GraphDef, lb: list) -> str | None:
         i0, q = b_to_a.setdefault(j, (i, p))
         if i0 != i:
             return f"{q} and {p} hold one array here but two different ones in the first tree"
-        if np.shape(la[i]) != np.shape(lb[j]):
-            return f"{p or '<root>'} has shape {np.shape(lb[j])}, expected {np.shape(la[i])}"
+        if la[i].shape != lb[j].shape:
+            return f"{p or '<root>'} has shape {tuple(lb[j].shape)}, expected {tuple(la[i].shape)}"
     na, nb = set(ga.shared_node_paths()), set(gb.shared_node_paths())
     for group in ga.shared_node_paths() + gb.shared_node_paths():
         if (group in na) != (group in nb):
