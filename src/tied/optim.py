@@ -149,8 +149,15 @@ def _keyed(spec: tuple[ParamSpec, ...], values: list) -> dict:
     return {s.path: v for s, v in zip(spec, values)}
 
 
+_dtype_names: dict = {}
+
+
 def _dtype(x: Any) -> str:
-    return str(jnp.dtype(x.dtype))
+    dt = x.dtype
+    name = _dtype_names.get(dt)
+    if name is None:
+        name = _dtype_names[dt] = str(jnp.dtype(dt))
+    return name
 
 
 def _describe(shape: tuple, dtype: str) -> str:
@@ -164,17 +171,13 @@ def _setup_error(path: str, problem: str) -> ValueError:
     )
 
 
-def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
-    """The unique-leaf index of each of ``state``'s parameters in this model, by path.
+# Where each of a state's parameters sits in a model depends only on the model's
+# GraphDef, the state's spec and which arrays are trainable: kept for the next step.
+_placements: dict = {}
 
-    Raises a ValueError naming the first path at which the model's trainable
-    parameters and the state's differ (missing, new, a tie, a shape or a dtype).
-    """
-    if not isinstance(state, OptState):
-        raise TypeError(
-            f"expected the OptState from tied.optim.setup(tx, model), got {type(state).__name__}."
-        )
-    mask = trainable_mask(gdef, leaves, state.trainable)
+
+def _place(state: OptState, leaves: list, gdef: GraphDef, mask: list[bool]) -> tuple[int, ...]:
+    """The unique-leaf index of each of ``state``'s parameters, found by path, ties checked."""
     paths = gdef.leaf_paths()
     at: dict[str, int] = {}
     for i, ps in enumerate(paths):
@@ -187,8 +190,8 @@ def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
             raise _setup_error(
                 s.path, "the optimiser state has a parameter here, but the model has no array here."
             )
-        x = leaves[i]
         if not mask[i]:
+            x = leaves[i]
             why = "it is not trainable" + (
                 f" (dtype {_dtype(x)})" if not is_param(x) else " (rejected by the state's trainable=)"
             )
@@ -199,13 +202,6 @@ def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
                 f"the optimiser state was set up for a parameter at the places {list(s.places)}, but "
                 f"the model's array here sits at {list(paths[i])} (a tie was made or cut).",
             )
-        shape, dtype = tuple(x.shape), _dtype(x)
-        if shape != s.shape or dtype != s.dtype:
-            raise _setup_error(
-                s.path,
-                f"the model's parameter has {_describe(shape, dtype)} but the optimiser state was "
-                f"set up for {_describe(s.shape, s.dtype)}.",
-            )
         train.append(i)
     if sum(mask) != len(train):
         known = set(train)
@@ -214,7 +210,44 @@ def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
             paths[i][0],
             "the model has a trainable parameter here that the optimiser state was not set up for.",
         )
-    return train
+    return tuple(train)
+
+
+def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
+    """The unique-leaf index of each of ``state``'s parameters in this model, by path.
+
+    Raises a ValueError naming the first path at which the model's trainable
+    parameters and the state's differ (missing, new, a tie, a shape or a dtype).
+    """
+    if not isinstance(state, OptState):
+        raise TypeError(
+            f"expected the OptState from tied.optim.setup(tx, model), got {type(state).__name__}."
+        )
+    mask = trainable_mask(gdef, leaves, state.trainable)
+    spec = state.spec
+    try:
+        key: Any = (gdef, id(spec), tuple(mask))
+        hit = _placements.get(key)
+    except TypeError:  # a GraphDef with an unhashable static field: not kept
+        key, hit = None, None
+    if hit is not None and hit[0] is spec:  # the spec itself is held, so its id is its own
+        train = hit[1]
+    else:
+        train = _place(state, leaves, gdef, mask)
+        if key is not None:
+            if len(_placements) > 256:
+                _placements.clear()
+            _placements[key] = (spec, train)
+    for s, i in zip(spec, train):
+        x = leaves[i]
+        shape, dtype = tuple(x.shape), _dtype(x)
+        if shape != s.shape or dtype != s.dtype:
+            raise _setup_error(
+                s.path,
+                f"the model's parameter has {_describe(shape, dtype)} but the optimiser state was "
+                f"set up for {_describe(s.shape, s.dtype)}.",
+            )
+    return list(train)
 
 
 # ---------------------------------------------------------------- setup
