@@ -13,6 +13,7 @@ from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, jit
+from ._live import lock as live_lock
 from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
 from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
 from ._surgery import PathError, replace, tie, untie
@@ -39,6 +40,7 @@ __all__ = [
     "is_param",
     "jit",
     "load",
+    "live_lock",
     "load_metadata",
     "map",
     "materialize",

@@ -423,7 +423,7 @@ class _Pytree(Kind):
 
 
 class _View(Kind):
-    name = "view"
+    name, writable = "view", True  # its source slot can be replaced in a live view
 
     def children(self, x):
         return [x.source], x.fn
@@ -470,6 +470,7 @@ KINDS: tuple[Kind, ...] = (
 LIST, DICT, OBJ, SLOTS, LISTSUB, DICTSUB, TUPLE, NAMEDTUPLE, PYTREE, VIEW = range(len(KINDS))
 _MUTABLE = tuple(k for k, kind in enumerate(KINDS) if kind.mutable)
 _KIND_NAMES = tuple(kind.name for kind in KINDS)
+KIND_BY_NAME = {kind.name: kind for kind in KINDS}
 
 # Classification of a type (cached): array, static, a node kind, or unknown.
 _ARRAY, _STATIC, _UNKNOWN = "array", "static", "unknown"
