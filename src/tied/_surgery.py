@@ -24,8 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _graph
-from ._graph import GraphDef, GraphError, flatten, unflatten
+from ._graph import KIND_BY_NAME, GraphDef, GraphError, flatten, unflatten
 
 __all__ = ["PathError", "replace", "tie", "untie"]
 
@@ -46,9 +45,6 @@ def _show(path: str) -> str:
 
 
 # ---------------------------------------------------------------- places and steps
-# TODO core: the node kind of a walk_places() kind name (its children, keys, setter,
-# make), as `_live` reads it too; a core `Kind` lookup by name would replace this.
-_KIND_BY_NAME = {kind.name: kind for kind in _graph.KINDS}
 _LEAF_KINDS = ("array", "static")
 
 
@@ -120,7 +116,7 @@ class Places:
         return self.gdef.node_paths()[i]
 
     def container_kind(self, steps: tuple[str, ...]) -> Any:
-        return _KIND_BY_NAME[self.kind["".join(steps)]]
+        return KIND_BY_NAME[self.kind["".join(steps)]]
 
 
 def _is_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -144,7 +140,7 @@ def with_child(x: Any, kind: Any, step: str, value: Any) -> Any:
     children, meta = kind.children(x)
     n = len(children)
     i = next(i for i in range(n) if kind.key(meta, i, n) == step)
-    if kind.writable or kind.name == "view":  # TODO core: the view kind is writable
+    if kind.writable:
         kind.setter(meta, x, i)(value)
         return x
     children[i] = value
