@@ -636,7 +636,7 @@ def _classify(x: Any) -> Any:
         return k
     if t is View:
         return VIEW
-    if isinstance(x, (jax.Array, np.ndarray)):
+    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):  # an abstract array too
         return _ARRAY
     if isinstance(x, _STATIC_TYPES) and not isinstance(x, (list, tuple, dict)):
         return _STATIC

@@ -52,7 +52,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _graph
 from ._graph import GraphDef, flatten, unflatten
 from ._inspect import _fn_name
 
@@ -88,30 +87,6 @@ def keystr(path: str) -> str:
 
 
 # ---------------------------------------------------------------- abstract leaves in `like`
-
-
-def _teach_core_abstract_arrays() -> None:
-    # TODO core: the walk should take a jax.ShapeDtypeStruct for an (abstract) array leaf, so that
-    # a `like` built with jax.eval_shape or by hand flattens like the model it describes. Until the
-    # core classifies it so, this wraps its classifier once, at import, so every flatten agrees.
-    classify = getattr(_graph, "_classify", None)
-    if classify is None or getattr(classify, "_tied_abstract", False):
-        return
-    sds = jax.ShapeDtypeStruct((), np.float32)
-    if len(flatten([sds])[0]) == 1:
-        return  # the core already does
-
-    def _classify(x: Any) -> Any:
-        if type(x) is jax.ShapeDtypeStruct:
-            return _graph._ARRAY
-        return classify(x)
-
-    _classify._tied_abstract = True  # type: ignore[attr-defined]
-    _graph._classify = _classify
-    _graph._type_cache.pop(jax.ShapeDtypeStruct, None)
-
-
-_teach_core_abstract_arrays()
 
 
 def is_abstract(leaf: Any) -> bool:
