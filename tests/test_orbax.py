@@ -388,6 +388,26 @@ def test_damaged_checkpoints_are_refused_clearly(tmp_path, damage):
         tied.load(path, tied_pair(0))
 
 
+@pytest.mark.parametrize("field, value, like_shape, like_dtype", [
+    ("shape", [2, 2], (2, 2), jnp.float32),  # Orbax would truncate (4, 2) to (2, 2)
+    ("dtype", "int32", (4, 2), jnp.int32),  # Orbax would cast float32 to int32
+    ("name", "['other']", (4, 2), jnp.float32),
+])
+def test_a_manifest_that_disagrees_with_the_stored_arrays_is_refused(tmp_path, field, value, like_shape,
+                                                                    like_dtype):
+    """Orbax restores onto whatever shape and dtype it is asked for; the manifest, which says what to
+    ask for, is checked against Orbax's own metadata of the stored arrays first."""
+    w = jnp.arange(8.0).reshape(4, 2)
+    tied.save(tmp_path / "ckpt", {"a": w, "b": w}, format="orbax")
+    f = tmp_path / "ckpt" / "0" / "tied" / "metadata"
+    doc = json.loads(f.read_text())
+    doc["arrays"][0][field] = value
+    f.write_text(json.dumps(doc))
+    s = jnp.zeros(like_shape, like_dtype)
+    with pytest.raises(tied.CheckpointError, match=r"not a readable tied checkpoint: the manifest"):
+        tied.load(tmp_path / "ckpt", {"a": s, "b": s})
+
+
 def test_a_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(tied.CheckpointError, match=r"empty: not a tied checkpoint"):

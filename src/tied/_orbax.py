@@ -232,6 +232,19 @@ def save(path: str | os.PathLike, tree: Any, metadata: Mapping[str, Any] | None 
 # ---------------------------------------------------------------- loading
 
 
+def _brief(e: BaseException) -> str:
+    """An error from Orbax or TensorStore in one short line (theirs can run to pages of spec)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _unreadable(where: str, ckpt: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: Orbax could not read the arrays of {ckpt} ({_brief(e)}). Its shards are missing or "
+        "damaged; nothing was loaded."
+    )
+
+
 def _read_manifest(ckpt: str, where: str) -> dict:
     ocp = _ocp()
     manifest = os.path.join(ckpt, _MANIFEST)
@@ -239,8 +252,7 @@ def _read_manifest(ckpt: str, where: str) -> dict:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
             doc = c.restore(ckpt, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]
     except Exception as e:  # Orbax's errors for a missing or unreadable item vary by version
-        what = f"its manifest {manifest} cannot be read ({type(e).__name__}: {e})"
-        raise _manifest.corrupt(where, what) from e
+        raise _manifest.corrupt(where, f"its manifest {manifest} cannot be read ({_brief(e)})") from e
     doc = _manifest.validate(doc, where)
     storage = doc.get("storage")
     if not isinstance(storage, dict) or storage.get("format") != FORMAT:
@@ -291,6 +303,34 @@ def _target(where: str, place: str, leaf: Any) -> tuple[Any, bool]:
             "dimensions (or PartitionSpec() to replicate it)."
         )
     return sharding, False
+
+
+def _check_stored(ckpt: str, where: str, item: dict) -> None:
+    """The arrays Orbax holds must be the ones the manifest describes, in name, shape and dtype.
+
+    Orbax restores onto any requested shape and dtype (padding, truncating, casting): a manifest
+    that disagrees with the stored arrays would load wrong values silently, so it is refused.
+    """
+    ocp = _ocp()
+    from etils import epath
+
+    try:
+        tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(ckpt) / _ARRAYS).tree
+        stored = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in tree.items()}
+    except Exception as e:
+        raise _unreadable(where, ckpt, e) from e
+    for name, want in item.items():
+        got = stored.get(name)
+        if got is None:
+            raise _manifest.corrupt(where, f"the manifest's array {name!r} is not among the stored arrays")
+        if got != (tuple(want.shape), np.dtype(want.dtype).name):
+            raise _manifest.corrupt(
+                where, f"the manifest describes {name!r} as {tuple(want.shape)} {np.dtype(want.dtype).name}, "
+                f"but Orbax stored {got[0]} {got[1]}"
+            )
+    extra = sorted(set(stored) - set(item))
+    if extra:
+        raise _manifest.corrupt(where, f"stored arrays that the manifest does not list: {extra[:5]}")
 
 
 def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
@@ -353,17 +393,14 @@ def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
             order.append(i)
         restored: dict = {}
         if item:
+            _check_stored(ckpt, where, item)
             try:
                 with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
                     restored = c.restore(ckpt, args=ocp.args.Composite(**{
                         _ARRAYS: ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
                     }))[_ARRAYS]
             except Exception as e:
-                raise CheckpointError(
-                    f"{where}: Orbax could not read the arrays of {ckpt} ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}). Its shards are missing or damaged; "
-                    "nothing was loaded."
-                ) from e
+                raise _unreadable(where, ckpt, e) from e
     arrays: list = [None] * len(m.like)
     for i, (leaf, entry, (sharding, as_numpy)) in enumerate(zip(m.like, m.entries, targets)):
         if i not in order:
