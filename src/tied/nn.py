@@ -13,11 +13,16 @@ array place may hold a `tied.view` (``Dense(tied.transpose(enc.weight))``),
 eagerly and under `tied.grad`/`tied.jit` alike.
 
 Example:
+    >>> import jax, jax.numpy as jnp, tied
     >>> enc = tied.nn.Dense(8, 3, key=jax.random.key(0))
     >>> dec = tied.nn.Dense(tied.transpose(enc.weight))    # a derived tie
     >>> model = tied.nn.Chain(enc, jnp.tanh, dec)
     >>> len(tied.flatten(model)[0])                # enc.weight and enc.bias only
     2
+    >>> tied.ties(model)
+    [('.layers[0].weight', '.layers[2].weight.source')]
+    >>> model(jnp.ones((5, 8))).shape
+    (5, 8)
 """
 
 from __future__ import annotations
@@ -85,10 +90,16 @@ class Dense:
         use_bias: with sizes: whether to create a bias.
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
         >>> d2 = Dense(d1.weight, d1.bias)            # tied to d1 by reference
         >>> tied.ties(Chain(d1, d2))
         [('.layers[0].weight', '.layers[1].weight'), ('.layers[0].bias', '.layers[1].bias')]
+        >>> d1, d2
+        (Dense(2 => 2), Dense(2 => 2))
+        >>> d1(jnp.ones((3, 2))).shape
+        (3, 2)
     """
 
     weight: Any
@@ -189,10 +200,16 @@ class Chain:
         *layers: callables, applied in order.
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
         >>> d = Dense(4, 4, key=jax.random.key(0), activation=jnp.tanh)
         >>> c = Chain(d, d, d)                 # one layer used three times
         >>> tied.ties(c)[0]
         ('.layers[0]', '.layers[1]', '.layers[2]')
+        >>> c
+        Chain(Dense(4 => 4, tanh), Dense(4 => 4, tanh), Dense(4 => 4, tanh))
+        >>> bool(jnp.allclose(c(jnp.ones(4)), d(d(d(jnp.ones(4))))))
+        True
     """
 
     layers: list
@@ -237,9 +254,17 @@ class Embedding:
         key: a JAX PRNG key (with sizes).
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Dense, Embedding
         >>> emb = Embedding(100, 16, key=jax.random.key(0))
-        >>> logits = emb.attend(h)          # h @ emb.weight.T: the head is the embedding
+        >>> h = emb(jnp.array([[3, 1, 4]]))  # (batch, seq) ids -> (batch, seq, dim)
+        >>> h.shape
+        (1, 3, 16)
+        >>> emb.attend(h).shape             # h @ emb.weight.T: the head is the embedding
+        (1, 3, 100)
         >>> head = Dense(emb.weight)        # the same tie, as a layer (weight (vocab, dim))
+        >>> tied.ties({"embed": emb, "head": head})
+        [("['embed'].weight", "['head'].weight")]
     """
 
     weight: Any
@@ -291,9 +316,17 @@ class LayerNorm:
         use_bias: whether to learn a shift.
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, LayerNorm, TransformerBlock
         >>> ln = LayerNorm(16)
+        >>> keys = jax.random.split(jax.random.key(0), 3)
         >>> blocks = [TransformerBlock(16, 2, key=k) for k in keys]
-        >>> for b in blocks: b.ln2 = ln        # one norm shared by every block
+        >>> for b in blocks:
+        ...     b.ln2 = ln                     # one norm shared by every block
+        >>> tied.ties(Chain(*blocks))
+        [('.layers[0].ln2', '.layers[1].ln2', '.layers[2].ln2')]
+        >>> ln(jnp.arange(16.0)).mean().round(4).item()
+        0.0
     """
 
     weight: Any
@@ -340,9 +373,13 @@ class CausalSelfAttention:
     Input ``(..., seq, dim)``, output the same shape.
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import CausalSelfAttention
         >>> attn = CausalSelfAttention(16, 4, key=jax.random.key(0))
         >>> attn(jnp.ones((2, 5, 16))).shape
         (2, 5, 16)
+        >>> tied.param_count(attn)          # qkv: 16*48 + 48, proj: 16*16 + 16
+        1088
     """
 
     qkv: Dense
@@ -386,9 +423,13 @@ class MLP:
         activation: applied between the two layers (default ``jax.nn.gelu``).
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import MLP
         >>> mlp = MLP(16, 64, key=jax.random.key(0))
         >>> mlp(jnp.ones((3, 16))).shape
         (3, 16)
+        >>> mlp
+        MLP(16 => 64 => 16)
     """
 
     fc1: Dense
@@ -417,10 +458,16 @@ class TransformerBlock:
         hidden: the MLP's hidden size (default ``4 * dim``).
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, TransformerBlock
         >>> block = TransformerBlock(16, 2, key=jax.random.key(0))
         >>> albert = Chain(*[block] * 6)      # ALBERT: one block, six places
-        >>> len(tied.flatten(albert)[0]) == len(tied.flatten(block)[0])
+        >>> tied.param_count(albert) == tied.param_count(block)
         True
+        >>> tied.param_count(albert, per_place=True) == 6 * tied.param_count(block)
+        True
+        >>> albert(jnp.ones((2, 5, 16))).shape
+        (2, 5, 16)
     """
 
     ln1: LayerNorm
