@@ -35,10 +35,15 @@ class View:
     layer object is an error that names the view's path when it is materialised.
 
     Example:
-        >>> enc_w = jnp.ones((3, 2))
-        >>> dec_w = tied.transpose(enc_w)
-        >>> dec_w.source is enc_w
+        >>> import jax, jax.numpy as jnp, tied
+        >>> enc = tied.nn.Dense(2, 3, key=jax.random.key(0))   # weight (3, 2)
+        >>> dec_w = tied.transpose(enc.weight)
+        >>> dec_w.source is enc.weight, dec_w.shape
+        (True, (2, 3))
+        >>> bool((tied.materialize(dec_w) == enc.weight.T).all())
         True
+        >>> tied.ties({"enc": enc, "dec": tied.nn.Dense(dec_w)})
+        [("['dec'].weight.source", "['enc'].weight")]
     """
 
     __slots__ = ("source", "fn")
@@ -97,7 +102,21 @@ def view(source: Any, fn: Callable[[Any], Any]) -> View:
         A `View`. Put it anywhere a layer expects an array.
 
     Example:
-        >>> dec = Dense(tied.view(enc.weight, lambda w: w.T))
+        >>> import jax, jax.numpy as jnp, tied
+        >>> enc = tied.nn.Dense(4, 2, key=jax.random.key(0))
+        >>> dec = tied.nn.Dense(tied.view(enc.weight, jnp.transpose))   # decoder = enc.weight.T
+        >>> model = tied.nn.Chain(enc, dec)
+        >>> tied.param_count(model)            # enc.weight (2*4) and enc.bias (2): dec has no array
+        10
+        >>> g = tied.grad(lambda m: m(jnp.ones(4)).sum())(model)
+        >>> g.layers[1].weight.source is g.layers[0].weight   # one total gradient
+        True
+
+        A view over a parameter that stands nowhere else is a reparametrisation:
+
+        >>> scale = tied.view(jnp.zeros(3), jax.nn.softplus)   # always positive
+        >>> bool((tied.materialize(scale) > 0).all())
+        True
     """
     return View(_check_source(source, "tied.view"), fn)
 
@@ -125,7 +144,13 @@ def transpose(source: Any) -> View:
     """``tied.view(source, transpose)``: the tie of a decoder or output head to an encoder weight.
 
     Example:
-        >>> dec = Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
+        >>> import jax, jax.numpy as jnp, tied
+        >>> enc = tied.nn.Dense(784, 32, key=jax.random.key(0))
+        >>> dec = tied.nn.Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
+        >>> dec
+        Dense(32 => 784, no bias, view)
+        >>> dec(enc(jnp.ones((1, 784)))).shape
+        (1, 784)
     """
     return View(_check_source(source, "tied.transpose"), _transpose)
 
@@ -135,6 +160,14 @@ def materialize(x: Any) -> Any:
 
     The one documented way for a layer to read a place that may hold a view when
     it is called eagerly, outside `tied.grad`/`tied.jit`.
+
+    Example:
+        >>> import jax.numpy as jnp, tied
+        >>> w = jnp.arange(6.0).reshape(2, 3)
+        >>> tied.materialize(tied.transpose(w)).shape
+        (3, 2)
+        >>> tied.materialize(w) is w
+        True
     """
     if type(x) is View:
         return x.fn(materialize(x.source))
