@@ -49,7 +49,10 @@ class Params:
     object is a trainable parameter of the model, however many places hold it.
 
     Example:
-        >>> d = Dense(w, b); c = Chain(d, d)     # one layer at two places
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d, d)                       # one layer at two places
         >>> ps = tied.params(c)
         >>> len(ps), d.weight in ps               # weight and bias, once each
         (2, True)
@@ -142,7 +145,10 @@ def params(model: Any, *, trainable: Trainable | None = None) -> Params:
         and ``ps.paths(array)``; pass it to `tied.gradient`.
 
     Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))   # two layers, one weight and one bias
         >>> ps = tied.params(c)
         >>> [len(ps.paths(p)) for p in ps]     # each tied array has two places
         [2, 2]
@@ -184,9 +190,18 @@ class Grads(Mapping):
     ``to_tree(model)`` for the structural (explicit-mode) gradient.
 
     Example:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> c, x = Chain(d, d), jnp.ones((1, 2))
         >>> gs = tied.gradient(lambda: c(x).sum(), tied.params(c))
+        >>> gs
+        Grads(2 parameters)
         >>> g = gs.to_tree(c)
-        >>> g.layers[0].weight is g.layers[1].weight is gs[c.layers[0].weight]
+        >>> g.layers[0].weight is g.layers[1].weight is gs[d.weight]
+        True
+        >>> half = gs * 0.5                       # arithmetic keeps the keys
+        >>> bool(jnp.allclose(half[d.bias], gs[d.bias] / 2))
         True
     """
 
@@ -278,8 +293,15 @@ class Grads(Mapping):
         a `View` of the source's total at a view's place.
 
         Example:
+            >>> import jax, jax.numpy as jnp, tied
+            >>> from tied.nn import Chain, Dense
+            >>> d = Dense(2, 2, key=jax.random.key(0))
+            >>> c, x = Chain(d, d), jnp.ones((1, 2))
+            >>> gs = tied.gradient(lambda: c(x).sum(), tied.params(c))
             >>> g = gs.to_tree(c)
             >>> g.layers[0].weight is g.layers[1].weight
+            True
+            >>> bool(jnp.allclose(g.layers[0].weight, tied.grad(lambda m: m(x).sum())(c).layers[0].weight))
             True
         """
         with lock:  # not while tied.gradient has traced values in the model
@@ -329,7 +351,11 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
             `tied.grad` for immutable models.
 
     Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))   # one weight and one bias, two places each
+        >>> x = jnp.ones((1, 2))
         >>> gs = tied.gradient(lambda: c(x).sum(), tied.params(c))
         >>> bool(jnp.allclose(gs[d1.weight], tied.grad(lambda m: m(x).sum())(c).layers[0].weight))
         True
