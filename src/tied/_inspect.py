@@ -198,8 +198,10 @@ def param_count(tree: Any, per_place: bool = False, *, trainable: Trainable | No
         views count nothing extra by default (their source is counted once).
 
     Example:
+        >>> import jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
-        >>> model = Chain(d1, Dense(d1.weight, d1.bias))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))   # the second layer shares both arrays
         >>> tied.param_count(model), tied.param_count(model, per_place=True)
         (6, 12)
         >>> tied.param_count(model, trainable=lambda path, x: path.endswith("bias"))
@@ -331,6 +333,9 @@ def summary(tree: Any) -> str:
     Plain text, no colour: print it, log it, or use `print_summary`.
 
     Example:
+        >>> import jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
         >>> print(tied.summary(Chain(d1, Dense(d1.weight, d1.bias))))
         path               type   shape   dtype    params
         <root>             Chain                       12
@@ -361,7 +366,14 @@ def print_summary(tree: Any, file: TextIO | None = None) -> None:
     """Print `summary` to a terminal: as a rich table if ``rich`` is installed, else as plain text.
 
     Example:
-        >>> tied.print_summary(model)   # tied places are highlighted under rich
+        >>> import io, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))
+        >>> out = io.StringIO()
+        >>> tied.print_summary(model, file=out)   # without file=, to the terminal
+        >>> "parameters: 6 unique, 12 per place" in out.getvalue()
+        True
     """
     try:
         from rich.console import Console
@@ -402,6 +414,9 @@ def to_dot(tree: Any) -> str:
     any Graphviz viewer.
 
     Example:
+        >>> import jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
         >>> dot = tied.to_dot(Chain(d1, Dense(d1.weight, d1.bias)))
         >>> dot.count("->")      # Chain->list, list->d1, list->d2, and 2 x (weight, bias)
         7
@@ -484,7 +499,17 @@ def render_dot(dot: str, path: str | os.PathLike, *, format: str | None = None) 
         RuntimeError: ``dot`` is not installed, or it failed (its message is included).
 
     Example:
-        >>> tied.render_dot(tied.to_dot(model), "model.svg")
+        >>> import os, tempfile, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.svg")
+        >>> try:
+        ...     tied.render_dot(tied.to_dot(Chain(d1, d1)), path)
+        ...     done = os.path.getsize(path) > 0
+        ... except RuntimeError as e:   # no Graphviz here: the message says how to install it
+        ...     done = "Install Graphviz" in str(e)
+        >>> done
+        True
     """
     exe = shutil.which("dot")
     if exe is None:
