@@ -71,10 +71,16 @@ def save(
             names the path. Nothing is written then.
 
     Example:
-        >>> model = Chain(d1, Dense(d1.weight, d1.bias))
-        >>> tied.save("model.safetensors", model, {"step": 10})   # weight and bias stored once
-        >>> back = tied.load("model.safetensors", like=model)
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> tied.save(path, model, {"step": 10})   # weight and bias stored once
+        >>> back = tied.load(path, like=model)
         >>> back.layers[0].weight is back.layers[1].weight
+        True
+        >>> bool((back.layers[1].bias == d1.bias).all())
         True
     """
     if format == "orbax":
@@ -98,8 +104,13 @@ def load_metadata(path: str | os.PathLike) -> dict:
     """The ``metadata`` given to `tied.save` for this checkpoint (after its header is checked).
 
     Example:
-        >>> tied.save("ckpt.safetensors", model, metadata={"step": 500})
-        >>> tied.load_metadata("ckpt.safetensors")
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
+        >>> tied.save(path, model, metadata={"step": 500})
+        >>> tied.load_metadata(path)
         {'step': 500}
     """
     path = os.fspath(path)
@@ -180,10 +191,28 @@ def load(
             of one array); the message names the path and both sides.
 
     Example:
-        >>> tied.save("model.safetensors", model)
-        >>> back = tied.load("model.safetensors", like=model)
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> tied.save(path, model)
+        >>> back = tied.load(path, like=model)
         >>> back.layers[0].weight is back.layers[1].weight
         True
+
+        A file not written by `tied` (Hugging Face style: a tied weight stored
+        once, under one of its places) loads with ``strict=False``:
+
+        >>> import numpy as np
+        >>> from safetensors.numpy import save_file
+        >>> w, b = np.ones((2, 2), np.float32), np.zeros(2, np.float32)
+        >>> save_file({".layers[0].weight": w, ".layers[0].bias": b}, path)
+        >>> back = tied.load(path, like=model, strict=False)
+        >>> back.layers[1].weight is back.layers[0].weight
+        True
+        >>> back.layers[1].weight.tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
     """
     path = os.fspath(path)
     if strict and (rename is not None or allow_extra):

@@ -177,11 +177,16 @@ def device_put(tree: Any, sharding_or_tree: Any) -> Any:
             shardings; the message names both paths.
 
     Example:
-        >>> emb = tied.nn.Embedding(512, 64, key=key)
+        >>> import jax, numpy as np, tied
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        >>> mesh = Mesh(np.array(jax.devices()), ("model",))
+        >>> emb = tied.nn.Embedding(512, 64, key=jax.random.key(0))
         >>> lm = {"embed": emb, "head": emb}               # the tied output head
         >>> vocab = NamedSharding(mesh, PartitionSpec("model", None))
         >>> lm = tied.device_put(lm, {"embed": vocab, "head": None})
         >>> lm["embed"].weight is lm["head"].weight        # one array, split by rows
+        True
+        >>> lm["head"].weight.sharding == vocab
         True
     """
     leaves, gdef = flatten(tree)
@@ -215,9 +220,16 @@ def sharding_tree(tree: Any, fn: Callable[[str, Any], Spec]) -> Any:
         array places (one node per place: shared nodes are unrolled).
 
     Example:
-        >>> emb = tied.nn.Embedding(512, 64, key=key)
-        >>> lm = {"embed": emb, "head": emb}
+        >>> import jax, numpy as np, tied
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        >>> mesh = Mesh(np.array(jax.devices()), ("model",))
+        >>> vocab = NamedSharding(mesh, PartitionSpec("model", None))
+        >>> rep = NamedSharding(mesh, PartitionSpec())
+        >>> emb = tied.nn.Embedding(512, 64, key=jax.random.key(0))
+        >>> lm = {"embed": emb, "head": emb, "ln": tied.nn.LayerNorm(64)}
         >>> specs = tied.sharding_tree(lm, lambda path, x: vocab if x.shape[0] == 512 else rep)
+        >>> specs["head"].weight == vocab, specs["ln"].bias == rep
+        (True, True)
         >>> lm = tied.device_put(lm, specs)
         >>> lm["embed"].weight is lm["head"].weight
         True
@@ -261,12 +273,24 @@ def data_parallel(mesh: Mesh | None = None, axis: str = "data") -> DataParallel:
         A `DataParallel` ``(mesh, replicated, batch)``.
 
     Example:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> emb = tied.nn.Embedding(16, 8, key=jax.random.key(0))
+        >>> model = {"embed": emb, "head": emb}    # a tied output head
+        >>> def loss(m, ids):
+        ...     logits = m["head"].attend(m["embed"](ids[:, :-1]))
+        ...     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+        >>> def train_step(m, s, ids):
+        ...     value, g = tied.value_and_grad(loss)(m, ids)
+        ...     m, s = tied.optim.update(s, m, g)
+        ...     return m, s, value
+        >>> state = tied.optim.setup(optax.adam(1e-2), model)
         >>> dp = tied.data_parallel()              # all devices, axis "data"
         >>> model, state = tied.device_put((model, state), dp.replicated)
         >>> step = tied.jit(train_step, in_shardings=(dp.replicated, dp.replicated, dp.batch),
         ...                 out_shardings=dp.replicated)
-        >>> model, state, loss = step(model, state, tied.device_put(batch, dp.batch))
-        >>> model.embed is model.head              # the tie holds on every device
+        >>> batch = jnp.zeros((2 * jax.device_count(), 6), dtype=jnp.int32)   # split over devices
+        >>> model, state, value = step(model, state, tied.device_put(batch, dp.batch))
+        >>> model["embed"] is model["head"]        # the tie holds on every device
         True
     """
     if mesh is None:
