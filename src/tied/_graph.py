@@ -132,8 +132,16 @@ class Kind:
     def type_of(self, meta: Any) -> type:
         return meta[0]
 
+    def strict_meta(self, meta: Any) -> Any:
+        """A key of ``meta`` equal only for metas that rebuild identically (see `_strict`)."""
+        return _strict(meta)
+
     def __repr__(self) -> str:
         return f"<tied kind {self.name}>"
+
+
+def _as_is(self: Kind, meta: Any) -> Any:
+    return meta  # types compare by identity, names are str, lengths int: already strict
 
 
 class _List(Kind):
@@ -156,6 +164,8 @@ class _List(Kind):
 
     def type_of(self, meta):
         return list
+
+    strict_meta = _as_is
 
 
 def _sequence(obj: Any, n: int) -> list:
@@ -234,6 +244,8 @@ class _Object(Kind):
     def setter(self, meta, obj, i):
         name, d = meta[1][i], obj.__dict__
         return lambda v: d.__setitem__(name, v)
+
+    strict_meta = _as_is
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:
@@ -374,6 +386,8 @@ class _Tuple(Kind):
     def make(self, meta, children):
         return tuple(children)
 
+    strict_meta = _as_is
+
     def mirror(self, meta, obj, n):
         return _sequence(obj, n)
 
@@ -392,6 +406,8 @@ class _NamedTuple(Kind):
 
     def make(self, meta, children):
         return meta(*children)
+
+    strict_meta = _as_is
 
     def mirror(self, meta, obj, n):
         return _sequence(obj, n)
@@ -855,7 +871,7 @@ class GraphDef:
             k = self._k = (
                 self.root,
                 self.num_leaves,
-                tuple((kind, _strict(meta), refs) for kind, meta, refs in self.records),
+                tuple((kind, KINDS[kind].strict_meta(meta), refs) for kind, meta, refs in self.records),
                 tuple(map(_strict, self.statics)),
             )
         return k
@@ -1083,8 +1099,12 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
                 _seen_once.clear()
             _seen_once[gdef] = gdef
         return gdef
+    if first._plans.get("no flatten plan"):
+        return first
     plan = compile_flatten(first)
-    if plan is not None:
+    if plan is None:  # none can be made: never try again for this structure
+        first._plans["no flatten plan"] = True
+    else:
         with _cache_lock:
             _seen_once.pop(first, None)
             old = cache.get(type(tree), ())
@@ -1355,8 +1375,10 @@ def expand(graphdef: GraphDef) -> tuple[GraphDef, tuple[int, ...]]:
 
 
 def _rebuild_plan(gdef: GraphDef) -> tuple:
-    """Orders for `unflatten`: mutable nodes (shells first, filled last) and
-    immutable nodes in post order, so that each is built after its children."""
+    """Orders for `unflatten`: the mutable nodes (their empty shells are made first, so a
+    cycle can point back at them) and every node in post order (children before their
+    parent), so that a node is filled or built only once its children are complete: a
+    JAX pytree that reads a list child while it is constructed sees it filled."""
     plan = gdef._plans.get("order")
     if plan is not None:
         return plan
@@ -1364,8 +1386,9 @@ def _rebuild_plan(gdef: GraphDef) -> tuple:
     mutable = [j for j, rec in enumerate(records) if rec[0] in _MUTABLE]
     post: list[int] = []
     seen: set[int] = set()
-    # An explicit stack: the post order of immutable nodes reachable from each record.
-    for start in range(len(records)):
+    root = gdef.root
+    starts = ([root // 3] if root % 3 == 1 else []) + list(range(len(records)))
+    for start in starts:  # the root first: its post order is the walk's
         if start in seen:
             continue
         stack = [(start, 0)]
@@ -1376,14 +1399,13 @@ def _rebuild_plan(gdef: GraphDef) -> tuple:
             while i < len(refs):
                 r = refs[i]
                 i += 1
-                if r % 3 == 1 and (r // 3) not in seen:
+                if r % 3 == 1 and (r // 3) not in seen:  # a node met before is on a cycle or done
                     stack.append((j, i))
                     seen.add(r // 3)
                     stack.append((r // 3, 0))
                     break
             else:
-                if records[j][0] not in _MUTABLE:
-                    post.append(j)
+                post.append(j)
     plan = (tuple(mutable), tuple(post))
     gdef._plans["order"] = plan
     return plan
@@ -1453,8 +1475,9 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
         if count >= 2:
             from ._plan import compile_unflatten
 
-            build = plans[materialize] = compile_unflatten(graphdef, materialize)
-    if build:  # False: too large to compile (see _plan.py)
+            # None: too large to be worth compiling; remembered as False, and walked
+            build = plans[materialize] = compile_unflatten(graphdef, materialize) or False
+    if build:
         out = build(leaves, statics)
         if CHECK_PLANS:
             _check_rebuild(graphdef, leaves, statics, materialize, out)
@@ -1481,16 +1504,15 @@ def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) 
     for j in post:
         kind, meta, refs = records[j]
         children = [value(r) for r in refs]
-        if kind == VIEW and materialize:
+        if kind in _MUTABLE:
+            KINDS[kind].fill(meta, built[j], children)
+        elif kind == VIEW and materialize:
             try:
                 built[j] = meta(children[0])
             except Exception as e:
                 raise view_failed(graphdef, j, meta, children[0], e) from e
         else:
             built[j] = KINDS[kind].make(meta, children)
-    for j in mutable:
-        kind, meta, refs = records[j]
-        KINDS[kind].fill(meta, built[j], [value(r) for r in refs])
     return value(graphdef.root)
 
 

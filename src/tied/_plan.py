@@ -11,8 +11,9 @@ order.
 
 The generated source is kept on the function (``__tied_source__``) and
 registered with `linecache`, so a traceback through a plan shows its lines.
-Plans are bounded in size (`MAX_PLAN_PLACES`): compiling Python costs far more
-per line than walking a place, so a very wide graph stays with the walk. With
+Compiling Python costs far more per line than walking a place (some 20 to 50
+times), so plans are bounded (`MAX_PLAN_LINES`): a very wide graph is always
+walked, and no call stalls for seconds on a compile. With
 ``TIED_CHECK_PLANS=1`` (the test suite sets it) `_graph` checks every plan
 against the plain walk.
 
@@ -32,10 +33,12 @@ from typing import Any
 from . import _graph as g
 from ._view import View
 
-# Python's compile() costs some 50 to 100 times a walk step per generated line, so a
-# plan for a graph with more places than this would cost more to build than it saves
-# on the next several calls; such graphs are always walked.
-MAX_PLAN_PLACES = 4096
+# Python's compile() costs some 20 to 50 times a walk step per generated line, so the
+# graphs worth a plan are bounded: a plan of more lines than this (some 0.1 to 0.3 s of
+# compiling) is not made, and such a graph is always walked. (Compiling a long plan in
+# segments, one per call, was tried: a plan whose segments share a namespace dict runs
+# no faster than the walk.)
+MAX_PLAN_LINES = 8000
 
 
 class _Miss(Exception):
@@ -49,10 +52,14 @@ _FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
 _counter = itertools.count()
 
 
-def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
+def _register_source(source: str, name: str) -> str:
     filename = f"<tied {name} plan {next(_counter)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), ns)
+    return filename
+
+
+def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
+    exec(compile(source, _register_source(source, name), "exec"), ns)
     out = ns[fn]
     out.__tied_source__ = source
     return out
@@ -64,7 +71,8 @@ def _walk_order(gdef: g.GraphDef) -> list[tuple[int, int, int]]:
 
 
 def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
-    """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made.
+    """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made
+    (a static the walk must look into, or a graph too large to be worth compiling).
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
@@ -77,9 +85,9 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     for s in gdef.statics:
         if g._type_cache.get(type(s)) is not g._STATIC:
             return None  # an object whose arrays the walk must look for each time
-    order = _walk_order(gdef)
-    if len(order) > MAX_PLAN_PLACES:
+    if 1 + sum(len(rec[2]) for rec in gdef.records) > MAX_PLAN_LINES:  # a line or more per place
         return None
+    order = _walk_order(gdef)
     records = gdef.records
     ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View, "STRICT": g._strict}
     ns["is_"], ns["is_not"] = operator.is_, operator.is_not
@@ -219,11 +227,12 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
     if len(by_id) > 1:
         emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
+    ns["FAIL"] = _FAIL
+    if len(lines) > MAX_PLAN_LINES:
+        return None
     emit(" return out")
     lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
-    source = "\n".join(lines)
-    ns["FAIL"] = _FAIL
-    return _compile(source, "flatten", ns, "guarded")
+    return _compile("\n".join(lines), "flatten", ns, "guarded")
 
 
 def _identity_hashed(record: tuple) -> bool:
@@ -249,12 +258,12 @@ def _plain_attributes(cls: type, names: tuple) -> bool:
     return True
 
 
-def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any] | bool:
+def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any] | None:
     """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``
-    (False for a graph too large to be worth compiling: `unflatten` then walks)."""
+    (None for a graph too large to be worth compiling: `unflatten` then walks)."""
     records = gdef.records
-    if len(records) + gdef.num_leaves > MAX_PLAN_PLACES:
-        return False
+    if len(records) + gdef.num_leaves > MAX_PLAN_LINES:
+        return None
     mutable, post = g._rebuild_plan(gdef)
     ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
     ns["VF"], ns["G"] = g.view_failed, gdef
@@ -280,9 +289,34 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
         else:
             ns[f"SH{j}"], ns[f"M{j}"] = g.KINDS[kind].shell, meta
             emit(f" n{j} = SH{j}(M{j})")
+    def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
+        if kind == g.LIST:
+            emit(f" n{j}.extend({args(refs)})")
+        elif kind == g.DICT:
+            keys, order = meta
+            if order is not None:  # fill in the model's insertion order
+                position = {k: i for i, k in enumerate(keys)}
+                keys, refs = order, tuple(refs[position[k]] for k in order)
+            ns[f"K{j}"] = keys
+            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
+        elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
+            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
+                emit(f" n{j}.{name} = {ref(r)}")
+        elif kind == g.OBJ:
+            ns[f"N{j}"] = meta[1]
+            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
+        else:
+            ns[f"FL{j}"], ns[f"M{j}"] = g.KINDS[kind].fill, meta
+            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
+
+    # Children before parents: a mutable node is filled, an immutable one built, once
+    # its children are complete (shells above stand in on a cycle).
     for j in post:
         kind, meta, refs = records[j]
-        if kind == g.TUPLE:
+        if kind in g._MUTABLE:
+            if refs:
+                fill(j, kind, meta, refs)
+        elif kind == g.TUPLE:
             emit(f" n{j} = {args(refs)}")
         elif kind == g.NAMEDTUPLE:
             ns[f"T{j}"] = meta
@@ -303,27 +337,7 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
         else:
             ns[f"MK{j}"], ns[f"M{j}"] = g.KINDS[kind].make, meta
             emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
-    for j in mutable:
-        kind, meta, refs = records[j]
-        if not refs:
-            continue
-        if kind == g.LIST:
-            emit(f" n{j}.extend({args(refs)})")
-        elif kind == g.DICT:
-            keys, order = meta
-            if order is not None:  # fill in the model's insertion order
-                position = {k: i for i, k in enumerate(keys)}
-                keys, refs = order, tuple(refs[position[k]] for k in order)
-            ns[f"K{j}"] = keys
-            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
-        elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
-            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
-                emit(f" n{j}.{name} = {ref(r)}")
-        elif kind == g.OBJ:
-            ns[f"N{j}"] = meta[1]
-            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
-        else:
-            ns[f"FL{j}"], ns[f"M{j}"] = g.KINDS[kind].fill, meta
-            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
+    if len(lines) > MAX_PLAN_LINES:
+        return None
     emit(f" return {ref(gdef.root)}")
     return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")
