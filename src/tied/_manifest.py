@@ -35,7 +35,10 @@ apart whatever the order of the attributes.
 
 Example (the sharing a manifest records):
 
-    >>> d = Dense(w, b)
+    >>> import jax
+    >>> from tied._manifest import describe
+    >>> from tied.nn import Chain, Dense
+    >>> d = Dense(2, 2, key=jax.random.key(0))
     >>> leaves, doc = describe(Chain(d, Dense(d.weight, None)))
     >>> doc["arrays"][0]["places"]
     ['.layers[0].weight', '.layers[1].weight']
@@ -154,10 +157,15 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         CheckpointError: metadata that is not a JSON-able mapping with string keys.
 
     Example:
-        >>> d = Dense(w, b)
+        >>> import jax
+        >>> from tied._manifest import describe
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
         >>> leaves, doc = describe(Chain(d, Dense(d.weight, None)), {"step": 3})
         >>> [a["places"] for a in doc["arrays"]]
         [['.layers[0].weight', '.layers[1].weight'], ['.layers[0].bias']]
+        >>> len(leaves), leaves[0] is d.weight
+        (2, True)
     """
     user = user_metadata(metadata)
     leaves, gdef = flatten(tree)
@@ -465,7 +473,13 @@ def match(doc: dict, like: Any, where: str) -> Match:
         CheckpointError: any difference between the manifest and ``like``.
 
     Example:
-        >>> m = match(validate(doc, "ckpt"), like=Chain(d, Dense(d.weight, None)), where="ckpt")
+        >>> import jax
+        >>> from tied._manifest import describe, match, validate
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d, Dense(d.weight, None))
+        >>> leaves, doc = describe(model)
+        >>> m = match(validate(doc, "ckpt"), like=model, where="ckpt")
         >>> [e["name"] for e in m.entries]          # one entry per unique array of like
         ['.layers[0].weight', '.layers[0].bias']
     """
@@ -548,9 +562,17 @@ def match_keys(
             shape or dtype that differs.
 
     Example:
-        >>> safetensors.numpy.save_file({"embed.weight": e}, "hf.safetensors")   # a tie stored once
-        >>> m = match_keys({"embed.weight": ("float32", [10, 4])}, like=model, where="hf",
-        ...                rename=lambda k: "." + k)
+        >>> import jax, tied
+        >>> from tied._manifest import match_keys
+        >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
+        >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}   # a tied head
+        >>> keys = {"embed.weight": ("float32", [10, 4])}               # the file stores it once
+        >>> m = match_keys(keys, like=model, where="hf.safetensors",
+        ...                rename={"embed.weight": "['embed'].weight"})
+        >>> m.entries
+        [{'name': 'embed.weight', 'keys': ['embed.weight']}]
+        >>> m.paths
+        [("['embed'].weight", "['head'].weight")]
     """
     leaves, gdef = flatten(like)
     paths = list(gdef.leaf_paths())
@@ -652,6 +674,14 @@ def build(m: Match, arrays: Sequence[Any]) -> Any:
     wrong tree.
 
     Example:
+        >>> import jax, numpy as np
+        >>> from tied._manifest import build, describe, match, place_like, validate
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d, Dense(d.weight, d.bias))
+        >>> leaves, doc = describe(model)
+        >>> m = match(validate(doc, "ckpt"), like=model, where="ckpt")
+        >>> host_arrays = [np.asarray(x) for x in leaves]   # as a format reads them
         >>> back = build(m, [place_like(x, leaf) for x, leaf in zip(host_arrays, m.like)])
         >>> back.layers[0].weight is back.layers[1].weight
         True
