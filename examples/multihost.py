@@ -79,11 +79,13 @@ def launch_local(n: int, args: argparse.Namespace) -> int:
 
 
 def _run(procs: list, n: int, port: int, ckpt: str, args: argparse.Namespace) -> int:
+    env = dict(os.environ, JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
     for i in range(n):
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
              "--process-id", str(i), "--cpu-devices", str(args.cpu_devices or 4), "--ckpt", ckpt,
              "--steps", str(args.steps)],
+            env=env,
         ))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -83,6 +83,7 @@ if ARGS.num_processes > 1:
         coordinator_address=f"127.0.0.1:{ARGS.port}",
         num_processes=ARGS.num_processes,
         process_id=ARGS.process_id,
+        coordinator_bind_address=f"127.0.0.1:{ARGS.port}",  # loopback only (JAX's default: every interface)
         initialization_timeout=60,
     )
 
