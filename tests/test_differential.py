@@ -163,3 +163,47 @@ def test_flatten_jit_and_grad_agree_with_the_walk_through_in_place_mutations(see
         mutate(net, op, a, b, rng)
         check(net, jitted, x)
         check(net, jitted, x)  # the same structure again: a plan may serve it now
+
+
+def test_threads_flattening_models_of_one_type_in_other_orders_each_get_their_own_walk():
+    import threading
+
+    rng = np.random.default_rng(0)
+    nets = []
+    for k in range(6):
+        layers = [new_layer(rng, "wb" if (k + i) % 2 else "bw") for i in range(3)]
+        nets.append(Net(layers + layers[:1], {"b0": layers[k % 3], "b1": new_layer(rng)}))
+    expected = [(_graph._walk(n)[1], [id(x) for x in _graph._walk(n)[0]]) for n in nets]
+    errors: list = []
+
+    def worker(k: int) -> None:
+        try:
+            for _ in range(60):
+                leaves, gdef = tied.flatten(nets[k])
+                assert gdef == expected[k][0] and [id(x) for x in leaves] == expected[k][1]
+                out = tied.unflatten(gdef, leaves)
+                assert out.layers[0] is out.layers[3]
+        except BaseException as e:  # reported below: a thread's failure must fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_ids_reused_after_garbage_collection_are_not_read_as_sharing():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        a = Net([new_layer(rng), new_layer(rng)], {})
+        for _ in range(3):
+            leaves, gdef = tied.flatten(a)
+        assert len(leaves) == 4 and tied.ties(a) == []
+        b = Net([new_layer(rng)], {})
+        b.layers.append(b.layers[0])  # now tied: the same object at two places
+        del a
+        gc.collect()
+        leaves, gdef = tied.flatten(b)
+        assert len(leaves) == 2 and tied.ties(b) == [(".layers[0]", ".layers[1]")]
