@@ -19,12 +19,17 @@ finalised checkpoint in it, named by a save counter::
         _CHECKPOINT_METADATA, commit_success.txt
 
 A save writes ``path/<n+1>.orbax-checkpoint-tmp/`` and Orbax renames it to
-``path/<n+1>`` once every process has written its shards (on a local or network
-file system the rename is the commit; on object stores Orbax's
-``commit_success.txt``). Only then is ``path/<n>`` removed. So a crash at any
-moment leaves at least one finalised checkpoint: the previous one, or the new
-one. The unfinished directory left by a crash is ignored by `load` and removed
-by the next save. Loading the unfinished directory itself is refused.
+``path/<n+1>`` once every process has written its shards (the rename is the
+commit). Only then is ``path/<n>`` removed. So a crash at any moment leaves at
+least one finalised checkpoint: the previous one, or the new one. The unfinished
+directory left by a crash is ignored by `load` and removed by the next save.
+Loading the unfinished directory itself is refused.
+
+``path`` is a file-system path that every process sees (a local disk for one
+host; NFS, Lustre or a bucket mounted with FUSE for several); object-store URLs
+(``gs://``) are not read here. Every process calls `save` and `load` with the
+same arguments, from one thread each (Orbax synchronises the processes with
+barriers, in call order).
 
 Loading reads the manifest, checks it against ``like`` (`_manifest.match`: every
 place, tie, view, shape and dtype, the first difference named by path) and
