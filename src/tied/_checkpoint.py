@@ -70,7 +70,7 @@ def save(
             process cannot fully read), or metadata that is not JSON; the message
             names the path. Nothing is written then.
 
-    Example:
+    Examples:
         >>> import os, tempfile, jax, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
@@ -103,7 +103,7 @@ def save(
 def load_metadata(path: str | os.PathLike) -> dict:
     """The ``metadata`` given to `tied.save` for this checkpoint (after its header is checked).
 
-    Example:
+    Examples:
         >>> import os, tempfile, jax, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
@@ -190,7 +190,7 @@ def load(
             the file, keys that name no place, values that differ at two places
             of one array); the message names the path and both sides.
 
-    Example:
+    Examples:
         >>> import os, tempfile, jax, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))

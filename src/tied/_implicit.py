@@ -48,7 +48,7 @@ class Params:
     arrays. Membership is by identity: ``d1.weight in ps`` holds when that very
     object is a trainable parameter of the model, however many places hold it.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(2, 2, key=jax.random.key(0))
@@ -144,7 +144,7 @@ def params(model: Any, *, trainable: Trainable | None = None) -> Params:
         A `Params`: ``len``, iteration in flatten order, identity-based ``in``
         and ``ps.paths(array)``; pass it to `tied.gradient`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
@@ -189,7 +189,7 @@ class Grads(Mapping):
     one side counts as zero), multiplication and division by a scalar, and
     ``to_tree(model)`` for the structural (explicit-mode) gradient.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(2, 2, key=jax.random.key(0))
@@ -292,7 +292,7 @@ class Grads(Mapping):
         ``None`` at non-parameters and at parameters that are not keys here, and
         a `View` of the source's total at a view's place.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, tied
             >>> from tied.nn import Chain, Dense
             >>> d = Dense(2, 2, key=jax.random.key(0))
@@ -350,7 +350,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
             (the original is put back). The message names the path. Use
             `tied.grad` for immutable models.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))

@@ -94,29 +94,7 @@ def _obj(p: Any) -> tuple[str, int]:
 def unrolled_array_places(gdef: GraphDef) -> list[tuple[str, int]]:
     """Every array place as ``(path, unique leaf index)``, a shared node's contents at each
     of its places, a reference back to a node already entered above not followed again."""
-    dag = _Dag(gdef)
-    kind, idx = dag.root
-    if kind != "node":
-        return [("", idx)] if kind == "array" else []
-    out: list[tuple[str, int]] = []
-    on_path = {idx}
-    stack: list[list] = [[idx, 0, ""]]  # [node, next child, path]
-    while stack:
-        frame = stack[-1]
-        j, i, path = frame
-        kids = dag.children[j]
-        if i == len(kids):
-            stack.pop()
-            on_path.discard(j)
-            continue
-        frame[1] = i + 1
-        (kind, c), key = kids[i]
-        if kind == "array":
-            out.append((path + key, c))
-        elif kind == "node" and c not in on_path:
-            on_path.add(c)
-            stack.append([c, 0, path + key])
-    return out
+    return list(gdef.place_leaves())
 
 
 # ---------------------------------------------------------------- counting
@@ -197,7 +175,7 @@ def param_count(tree: Any, per_place: bool = False, *, trainable: Trainable | No
         The count. Integer and boolean arrays are not parameters and count 0;
         views count nothing extra by default (their source is counted once).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
@@ -332,7 +310,7 @@ def summary(tree: Any) -> str:
     parameters and array bytes counted once per unique array and once per place.
     Plain text, no colour: print it, log it, or use `print_summary`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
@@ -365,7 +343,7 @@ def summary(tree: Any) -> str:
 def print_summary(tree: Any, file: TextIO | None = None) -> None:
     """Print `summary` to a terminal: as a rich table if ``rich`` is installed, else as plain text.
 
-    Example:
+    Examples:
         >>> import io, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
@@ -413,7 +391,7 @@ def to_dot(tree: Any) -> str:
     ``key = fn(.)``. Static fields are left out. Render with `render_dot` or
     any Graphviz viewer.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
@@ -498,7 +476,7 @@ def render_dot(dot: str, path: str | os.PathLike, *, format: str | None = None) 
     Raises:
         RuntimeError: ``dot`` is not installed, or it failed (its message is included).
 
-    Example:
+    Examples:
         >>> import os, tempfile, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))

@@ -30,7 +30,7 @@ class Graph:
     one input, one tracer, one gradient, one buffer. Two Graphs with equal
     GraphDefs are the same JAX type, so nothing retraces.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
@@ -117,10 +117,12 @@ def jit(
     Args:
         fun: the function to compile; arguments and outputs may be any object
             graph `tied.flatten` accepts.
-        static_argnums, static_argnames: arguments hashed into the cache key
-            instead of traced, as in `jax.jit`.
-        donate_argnums, donate_argnames: arguments whose buffers may be reused
-            for outputs, as in `jax.jit`.
+        static_argnums: positional arguments hashed into the cache key instead
+            of traced, as in `jax.jit`.
+        static_argnames: the same, by name.
+        donate_argnums: positional arguments whose buffers may be reused for
+            outputs, as in `jax.jit`.
+        donate_argnames: the same, by name.
         in_shardings: how the inputs are laid out over devices, as in `jax.jit`:
             one `jax.sharding.Sharding` for every argument, or a tuple with one
             entry per positional argument (static ones left out, as in
@@ -145,7 +147,7 @@ def jit(
     Returns:
         The compiled function.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> @tied.jit

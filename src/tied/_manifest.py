@@ -156,7 +156,7 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
     Raises:
         CheckpointError: metadata that is not a JSON-able mapping with string keys.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from tied._manifest import describe
         >>> from tied.nn import Chain, Dense
@@ -472,7 +472,7 @@ def match(doc: dict, like: Any, where: str) -> Match:
     Raises:
         CheckpointError: any difference between the manifest and ``like``.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from tied._manifest import describe, match, validate
         >>> from tied.nn import Chain, Dense
@@ -561,7 +561,7 @@ def match_keys(
             two keys renamed to one place, a place path ``like`` writes twice, or a
             shape or dtype that differs.
 
-    Example:
+    Examples:
         >>> import jax, tied
         >>> from tied._manifest import match_keys
         >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
@@ -673,7 +673,7 @@ def build(m: Match, arrays: Sequence[Any]) -> Any:
     leaf, which is checked again here so that a format's bug cannot build a
     wrong tree.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np
         >>> from tied._manifest import build, describe, match, place_like, validate
         >>> from tied.nn import Chain, Dense

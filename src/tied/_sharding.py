@@ -176,7 +176,7 @@ def device_put(tree: Any, sharding_or_tree: Any) -> Any:
         ValueError: two places of one shared array are given different
             shardings; the message names both paths.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, tied
         >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
         >>> mesh = Mesh(np.array(jax.devices()), ("model",))
@@ -219,7 +219,7 @@ def sharding_tree(tree: Any, fn: Callable[[str, Any], Spec]) -> Any:
         A tree of the same types as ``tree``, holding the shardings at its
         array places (one node per place: shared nodes are unrolled).
 
-    Example:
+    Examples:
         >>> import jax, numpy as np, tied
         >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
         >>> mesh = Mesh(np.array(jax.devices()), ("model",))
@@ -272,7 +272,7 @@ def data_parallel(mesh: Mesh | None = None, axis: str = "data") -> DataParallel:
     Returns:
         A `DataParallel` ``(mesh, replicated, batch)``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax, tied
         >>> emb = tied.nn.Embedding(16, 8, key=jax.random.key(0))
         >>> model = {"embed": emb, "head": emb}    # a tied output head

@@ -34,7 +34,7 @@ class View:
     (``tied.transpose(enc.bias)`` of a layer without bias), a number or a whole
     layer object is an error that names the view's path when it is materialised.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> enc = tied.nn.Dense(2, 3, key=jax.random.key(0))   # weight (3, 2)
         >>> dec_w = tied.transpose(enc.weight)
@@ -101,7 +101,7 @@ def view(source: Any, fn: Callable[[Any], Any]) -> View:
     Returns:
         A `View`. Put it anywhere a layer expects an array.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> enc = tied.nn.Dense(4, 2, key=jax.random.key(0))
         >>> dec = tied.nn.Dense(tied.view(enc.weight, jnp.transpose))   # decoder = enc.weight.T
@@ -143,7 +143,7 @@ _transpose.__name__ = "transpose"
 def transpose(source: Any) -> View:
     """``tied.view(source, transpose)``: the tie of a decoder or output head to an encoder weight.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> enc = tied.nn.Dense(784, 32, key=jax.random.key(0))
         >>> dec = tied.nn.Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
@@ -161,7 +161,7 @@ def materialize(x: Any) -> Any:
     The one documented way for a layer to read a place that may hold a view when
     it is called eagerly, outside `tied.grad`/`tied.jit`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> w = jnp.arange(6.0).reshape(2, 3)
         >>> tied.materialize(tied.transpose(w)).shape

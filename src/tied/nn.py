@@ -89,7 +89,7 @@ class Dense:
         activation: a function applied to the output (a static field), or None.
         use_bias: with sizes: whether to create a bias.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(2, 2, key=jax.random.key(0))
@@ -199,7 +199,7 @@ class Chain:
     Args:
         *layers: callables, applied in order.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(4, 4, key=jax.random.key(0), activation=jnp.tanh)
@@ -253,7 +253,7 @@ class Embedding:
         dim: the embedding size (with a vocabulary size).
         key: a JAX PRNG key (with sizes).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Dense, Embedding
         >>> emb = Embedding(100, 16, key=jax.random.key(0))
@@ -315,7 +315,7 @@ class LayerNorm:
         use_weight: whether to learn a scale.
         use_bias: whether to learn a shift.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, LayerNorm, TransformerBlock
         >>> ln = LayerNorm(16)
@@ -372,7 +372,7 @@ class CausalSelfAttention:
 
     Input ``(..., seq, dim)``, output the same shape.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import CausalSelfAttention
         >>> attn = CausalSelfAttention(16, 4, key=jax.random.key(0))
@@ -422,7 +422,7 @@ class MLP:
         key: a JAX PRNG key.
         activation: applied between the two layers (default ``jax.nn.gelu``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import MLP
         >>> mlp = MLP(16, 64, key=jax.random.key(0))
@@ -457,7 +457,7 @@ class TransformerBlock:
         key: a JAX PRNG key.
         hidden: the MLP's hidden size (default ``4 * dim``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import Chain, TransformerBlock
         >>> block = TransformerBlock(16, 2, key=jax.random.key(0))
