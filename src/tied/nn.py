@@ -12,7 +12,7 @@ explicit ``key``. Layers read their arrays through `tied.materialize`, so any
 array place may hold a `tied.view` (``Dense(tied.transpose(enc.weight))``),
 eagerly and under `tied.grad`/`tied.jit` alike.
 
-Example:
+Examples:
     >>> import jax, jax.numpy as jnp, tied
     >>> enc = tied.nn.Dense(8, 3, key=jax.random.key(0))
     >>> dec = tied.nn.Dense(tied.transpose(enc.weight))    # a derived tie
