@@ -10,16 +10,8 @@ those totals, and rebuilds the model with every tie kept.
 What optax sees, in optax's own conventions: a flat ``dict`` from the keystr
 path of each unique trainable array's *first* place to the array (the
 gradients and updates likewise). So masks and labels are ordinary optax
-pytrees, or functions of that dict, as in optax's documentation::
-
-    tx = optax.chain(
-        optax.masked(optax.add_decayed_weights(1e-4), lambda p: {k: k.endswith("weight") for k in p}),
-        optax.adam(1e-3),
-    )
-    tx = optax.multi_transform(
-        {"fast": optax.adam(1e-2), "slow": optax.adam(1e-4)},
-        lambda p: {k: "slow" if k.startswith(".embed") else "fast" for k in p},
-    )
+pytrees, or functions of that dict, as in optax's documentation (see the
+examples below).
 
 State belongs to a parameter's place, as in optax and Optimisers.jl: the
 per-parameter entries of the optax state (Adam's ``mu`` and ``nu``) are dicts
@@ -34,8 +26,11 @@ gradient in any convention (per-place partials, total at the first place, or
 the aliased total of `tied.grad`) into one total per parameter. Call it yourself
 when you want the totals (to log their norms, say).
 
-Example:
-    >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+Examples:
+    >>> import jax, jax.numpy as jnp, optax, tied
+    >>> from tied.nn import Chain, Dense
+    >>> d1 = Dense(2, 2, key=jax.random.key(0))
+    >>> c, x = Chain(d1, Dense(d1.weight, d1.bias)), jnp.ones((1, 2))
     >>> state = tied.optim.setup(optax.adam(1e-3), c)
     >>> g = tied.grad(lambda m: m(x).sum())(c)
     >>> c, state = tied.optim.update(state, c, g)
@@ -43,6 +38,24 @@ Example:
     True
     >>> sorted(state.inner_state[0].mu)
     ['.layers[0].bias', '.layers[0].weight']
+
+    Weight decay masked by path, and labels by path (here the biases are not moved):
+
+    >>> tx = optax.chain(
+    ...     optax.masked(optax.add_decayed_weights(1e-4), lambda p: {k: k.endswith("weight") for k in p}),
+    ...     optax.multi_transform(
+    ...         {"fast": optax.adam(1e-2), "fixed": optax.set_to_zero()},
+    ...         lambda p: {k: "fixed" if k.endswith("bias") else "fast" for k in p},
+    ...     ),
+    ... )
+    >>> state = tied.optim.setup(tx, c)
+    >>> c2, state = tied.optim.update(state, c, tied.grad(lambda m: m(x).sum())(c))
+    >>> c2.layers[1].weight is c2.layers[0].weight, c2.layers[1].bias is c2.layers[0].bias
+    (True, True)
+    >>> bool((c2.layers[0].bias == c.layers[0].bias).all())         # "fixed": not moved
+    True
+    >>> bool((c2.layers[0].weight != c.layers[0].weight).all())     # "fast": moved
+    True
 """
 
 from __future__ import annotations
@@ -275,9 +288,14 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
         ValueError: two parameters have the same keystr path (an attribute
             named ``"a.b"`` beside ``.a.b``), which optax's dict cannot hold.
 
-    Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
         >>> state = tied.optim.setup(optax.adam(1e-3), c)
+        >>> state
+        OptState(2 unique parameters)
         >>> sorted(state.inner_state[0].mu)            # weight and bias: one moment each
         ['.layers[0].bias', '.layers[0].weight']
         >>> state = tied.optim.setup(optax.adam(1e-3), c, trainable=lambda p, a: a.ndim > 1)
@@ -420,10 +438,24 @@ def update(
     Works eagerly, inside `tied.jit` (return ``(model, state)`` from the
     compiled function), and under ``jax.jit`` on `tied.Graph` arguments.
 
-    Example:
-        >>> state = tied.optim.setup(optax.adam(1e-3), c)       # c = Chain(d, d)
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d, d)                                    # one layer at two places
+        >>> loss = lambda m: m(jnp.ones((1, 2))).sum()
+        >>> state = tied.optim.setup(optax.adam(1e-3), c)
         >>> c2, state = tied.optim.update(state, c, tied.grad(loss)(c))
         >>> c2.layers[0] is c2.layers[1]
+        True
+
+        Per-place partials (as plain ``jax.grad`` gives on an untied copy) are
+        summed into the total first:
+
+        >>> state = tied.optim.setup(optax.sgd(0.1), c)
+        >>> c3, _ = tied.optim.update(state, c, tied.grad(loss, per_location=True)(c))
+        >>> total = tied.grad(loss)(c).layers[0].weight
+        >>> bool(jnp.allclose(c3.layers[0].weight, d.weight - 0.1 * total))
         True
     """
     leaves, gdef, train, new_params, new_state = _step(state, model, grads, convention, extra_args)
@@ -449,7 +481,11 @@ def update_inplace(
     into Python objects: use `update`).
 
     Args:
-        state, model, grads, convention, extra_args: as in `update`.
+        state: as in `update`.
+        model: as in `update`; a mutable model, written into.
+        grads: as in `update`.
+        convention: as in `update`.
+        **extra_args: as in `update`.
 
     Returns:
         The new `OptState`.
@@ -460,11 +496,16 @@ def update_inplace(
             Equinox module); the message names the path. Raised before
             anything is written.
 
-    Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
-        >>> state = tied.optim.update_inplace(state, c, tied.grad(loss)(c))
-        >>> d1.weight is c.layers[1].weight     # d1 now holds the new array
-        True
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
+        >>> old = d1.weight
+        >>> state = tied.optim.setup(optax.adam(1e-3), c)
+        >>> state = tied.optim.update_inplace(state, c, tied.grad(lambda m: m(jnp.ones(2)).sum())(c))
+        >>> d1.weight is c.layers[1].weight, d1.weight is old   # d1 now holds the new array
+        (True, False)
     """
     with lock:
         leaves, gdef = flatten(model)
@@ -580,12 +621,19 @@ def freeze(state: OptState, *where: str | Any, model: Any = None) -> OptState:
         ValueError: an unknown path (the nearest ones are listed), an array
             without ``model=``, or an array that is not a trainable parameter.
 
-    Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
+        >>> state = tied.optim.setup(optax.adam(1e-3), c)
         >>> state = tied.optim.freeze(state, ".layers[1].weight")       # also .layers[0].weight
         >>> state = tied.optim.freeze(state, c.layers[0].bias, model=c)
         >>> sorted(state.frozen)
         ['.layers[0].bias', '.layers[0].weight']
+        >>> c2, state = tied.optim.update(state, c, tied.grad(lambda m: m(jnp.ones(2)).sum())(c))
+        >>> c2.layers[1].weight is d1.weight                           # not moved
+        True
     """
     keys = set(_resolve(state, where, model, "freeze")) | set(state.frozen)
     frozen = {s.path: state.frozen.get(s.path, None) for s in state.spec if s.path in keys}
@@ -601,8 +649,15 @@ def thaw(state: OptState, *where: str | Any, model: Any = None) -> OptState:
     Returns:
         A new `OptState` with those parameters no longer frozen.
 
-    Example:
-        >>> state = tied.optim.thaw(state, ".layers[0].weight")   # both places again
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
+        >>> state = tied.optim.freeze(tied.optim.setup(optax.adam(1e-3), c), ".layers[0].weight")
+        >>> state = tied.optim.thaw(state, ".layers[1].weight")   # through either place
+        >>> state.frozen
+        {}
     """
     keys = set(_resolve(state, where, model, "thaw"))
     frozen = {k: v for k, v in state.frozen.items() if k not in keys}
