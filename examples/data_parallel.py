@@ -83,8 +83,8 @@ def ties_hold(model, state) -> bool:
     return (
         model.head is model.embed
         and model.head.weight is model.embed.weight
-        and len(state.params) == len(params)
-        and all(a is b for a, b in zip(state.params, params))  # the state holds the model's arrays
+        and len(state.paths) == len(params)  # one optimiser entry per unique parameter
+        and not any(a is p for a in jax.tree_util.tree_leaves(state) for p in params)  # no copies
     )
 
 

@@ -53,7 +53,9 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
             f"trainable= takes a function (path, array) -> bool, got {type(trainable).__name__}. "
             'For example trainable=lambda path, x: "running" not in path.'
         )
-    all_paths = gdef.leaf_paths()
+    all_paths: list[list[str]] = [[] for _ in leaves]
+    for path, i in gdef.place_leaves():  # every place, below shared nodes too
+        all_paths[i].append(path)
     out = []
     for x, paths in zip(leaves, all_paths):
         keep = False

@@ -971,10 +971,14 @@ class GraphDef:
     def place_leaves(self) -> tuple[tuple[str, int], ...]:
         """Every array *place* in walk order (a tie counted at each of its places), as
         ``(path, unique leaf index)``; places below a shared node are listed at every
-        place of that node. Raises `GraphError` on a reference cycle through arrays."""
-        tree_def, place_leaf = expand(self)
-        paths = place_paths(tree_def).leaves
-        return tuple((paths[k][0], i) for k, i in enumerate(place_leaf))
+        place of that node. On a reference cycle, a reference back to a node entered
+        above is not followed again (the cycle's places are listed once round)."""
+        out = self._plans.get("place leaves")
+        if out is None:
+            out = self._plans["place leaves"] = tuple(
+                (path, r // 3) for path, _, r, _, _, _ in _traverse(self, True, True) if r % 3 == 0
+            )
+        return out
 
 
 # ---------------------------------------------------------------- flatten
@@ -1223,12 +1227,13 @@ def _cycle_error(kind: int) -> None:
 # ---------------------------------------------------------------- the one traversal of a GraphDef
 
 
-def _traverse(gdef: GraphDef, expand_shared: bool = False) -> Iterator[tuple]:
+def _traverse(gdef: GraphDef, expand_shared: bool = False, cut_cycles: bool = False) -> Iterator[tuple]:
     """``(path, depth, ref, first, parent, position)`` for every place of ``gdef``, in the
     walk's order (the root has parent -1).
 
     A node's children are visited at its first place only, unless ``expand_shared``
-    (then at every place; a cycle is a `GraphError`). Iterative, so any depth.
+    (then at every place; a cycle is a `GraphError`, or with ``cut_cycles`` a reference
+    back to a node entered above is yielded but not followed). Iterative, so any depth.
     """
     records = gdef.records
     seen: set[int] = set()
@@ -1261,6 +1266,9 @@ def _traverse(gdef: GraphDef, expand_shared: bool = False) -> Iterator[tuple]:
             yield child, depth, r, first, j, i
             continue
         if expand_shared and r in on_path:
+            if cut_cycles:
+                yield child, depth, r, first, j, i
+                continue
             raise GraphError(
                 f"{child}: this node is on a reference cycle, so it has infinitely many places "
                 "and per-place values cannot be formed. Use the aliased totals "

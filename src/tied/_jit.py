@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
 from ._sharding import _describe, _same_layout, leaf_shardings
 
@@ -81,6 +82,24 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.graphdef.num_leaves} unique arrays, {self.graphdef.num_nodes} nodes)"
+
+
+@jax.tree_util.register_pytree_node_class
+class _Output:
+    """What the traced function of `tied.jit` returns: the unique output arrays, with the
+    output's GraphDef and the marks of tied's total gradients as static auxiliary data."""
+
+    __slots__ = ("leaves", "graphdef", "totals")
+
+    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[bool, ...]):
+        self.leaves, self.graphdef, self.totals = leaves, graphdef, totals
+
+    def tree_flatten(self):
+        return self.leaves, (self.graphdef, self.totals)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves) -> _Output:
+        return cls(list(leaves), *aux)
 
 
 def _normalise(nums: int | Sequence[int]) -> tuple[int, ...]:
@@ -249,8 +268,9 @@ def jit(
             out_leaves, out_gdef = flatten(out)
             if out_shardings is not None:
                 out_leaves = constrain_outputs(out_gdef, out_leaves)
-            # The output's structure travels back through JAX as the Graph's aux data.
-            return Graph.tree_unflatten(out_gdef, out_leaves)
+            # The output's structure, and which of its arrays are tied's own total gradients,
+            # travel back through JAX as static auxiliary data.
+            return _Output(out_leaves, out_gdef, tuple(map(is_total, out_leaves)))
 
         entry.fn = jax.jit(
             flat_fun, donate_argnums=(0,) if entry.donated else (), **shardings, **jax_jit_kwargs
@@ -324,6 +344,9 @@ def jit(
             if better is None:
                 raise
             raise better from e
+        for x, total in zip(out.leaves, out.totals):
+            if total:
+                mark_total(x)
         return _unflatten(out.graphdef, out.leaves)
 
     wrapped._cache = cache  # for tests and introspection
