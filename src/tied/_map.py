@@ -52,7 +52,7 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
         ValueError: a tree in ``rest`` differs from ``tree``; the message names the first
             differing path. Or ``is_leaf`` would cut a tie.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> w = jnp.ones((2, 2))
         >>> model = {"embed": w, "head": w, "bias": jnp.zeros(2)}

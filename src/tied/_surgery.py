@@ -30,7 +30,18 @@ __all__ = ["PathError", "replace", "tie", "untie"]
 
 
 class PathError(KeyError):
-    """A path that names no place of the model; the message lists the nearest valid paths."""
+    """A path that names no place of the model; the message lists the nearest valid paths.
+
+    Examples:
+        >>> import jax.numpy as jnp, tied
+        >>> w = jnp.ones(2)
+        >>> try:
+        ...     tied.untie({"embed": w, "head": w}, "['embd']")
+        ... except tied.PathError as e:
+        ...     print(e)
+        tied.untie: "['embd']" is not a place of the model. Nearest valid paths: ['embed'], ['head'], <root>.
+        Paths are written as tied.ties and tied.summary print them.
+    """
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
@@ -260,7 +271,7 @@ def tie(tree: Any, *paths: str) -> Any:
         ValueError: shapes, dtypes or types differ (naming both paths), one path lies
             inside another, or a path holds a static value.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> model = {"embed": jnp.ones((4, 2)), "head": jnp.zeros((4, 2))}
         >>> model = tied.tie(model, "['embed']", "['head']")   # Hugging Face tie_weights
@@ -318,7 +329,7 @@ def untie(tree: Any, path: str) -> Any:
             container's other places (the message names the container to untie instead),
             or it holds a static value.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> w = jnp.ones(3)
         >>> model = tied.untie({"a": w, "b": w}, "['b']")
@@ -371,7 +382,7 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     Raises:
         PathError: the path names no place.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, tied
         >>> w = jnp.ones(3)
         >>> model = tied.replace({"a": w, "b": w}, "['b']", jnp.zeros(3))
