@@ -24,6 +24,7 @@ def test_every_example_is_tested():
     tested.add("data_parallel")  # run under 8 fake devices by tests/test_sharding.py (tests/multidevice)
     tested.add("optax_by_path")  # run by tests/test_optim.py
     tested.add("flax_nnx_interop")
+    tested.add("multihost")  # run as 2 local processes by tests/test_multiprocess.py
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
