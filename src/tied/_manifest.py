@@ -81,7 +81,20 @@ _MAX_NDIM = 64
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or read into the given model; the message says why and where."""
+    """A checkpoint that cannot be written or read into the given model; the message says why and where.
+
+    Examples:
+        >>> import os, tempfile, jax.numpy as jnp, tied
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> w = jnp.ones((2, 2))
+        >>> tied.save(path, {"embed": w, "head": w})        # a tied head, stored once
+        >>> try:
+        ...     tied.load(path, like={"embed": w, "head": jnp.ones((2, 2))})   # like has no tie
+        ... except tied.CheckpointError as e:
+        ...     print(str(e).split(": ", 1)[1])             # after the file's path
+        the sharing differs at ['embed']: in like, ['embed'] is not tied to another place; in the
+        file, ['embed'] and ['head'] are one array. Build `like` with the ties of the saved model.
+    """
 
 
 def keystr(path: str) -> str:

@@ -249,6 +249,20 @@ class DataParallel(NamedTuple):
             device, for parameters, optimiser state and scalars such as the loss.
         batch: ``NamedSharding(mesh, PartitionSpec(axis))``: the leading (batch)
             axis split over the mesh axis, the rest replicated.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from jax.sharding import PartitionSpec
+        >>> dp = tied.data_parallel()
+        >>> dp.batch.spec == PartitionSpec("data"), dp.replicated.spec == PartitionSpec()
+        (True, True)
+        >>> emb = tied.nn.Embedding(8, 4, key=jax.random.key(0))
+        >>> model = tied.device_put({"embed": emb, "head": emb}, dp.replicated)
+        >>> model["embed"] is model["head"], model["head"].weight.sharding == dp.replicated
+        (True, True)
+        >>> x = tied.device_put(jnp.zeros((2 * jax.device_count(), 3)), dp.batch)
+        >>> len(x.addressable_shards) == jax.device_count()
+        True
     """
 
     mesh: Mesh

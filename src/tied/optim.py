@@ -80,7 +80,22 @@ Trainable = Callable[[str, Any], bool]
 
 
 class ParamSpec(NamedTuple):
-    """What the optimiser state knows of one trainable parameter (no array)."""
+    """What the optimiser state knows of one trainable parameter (no array).
+
+    ``places`` are the keystr paths of the parameter's places (those below a
+    shared node listed under its first place); ``path``, the first, keys the
+    optax state.
+
+    Examples:
+        >>> import jax, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> state = tied.optim.setup(optax.sgd(0.1), Chain(d1, Dense(d1.weight, None)))
+        >>> state.spec[0]
+        ParamSpec(places=('.layers[0].weight', '.layers[1].weight'), shape=(2, 2), dtype='float32')
+        >>> state.spec[0].path
+        '.layers[0].weight'
+    """
 
     places: tuple[str, ...]  # keystr paths of every place; the first one keys the optax state
     shape: tuple[int, ...]
@@ -111,6 +126,19 @@ class OptState:
         spec: one `ParamSpec` (every place, shape, dtype) per trainable
             parameter, in the model's flatten order (static).
         trainable: the ``trainable=`` predicate given to `setup`, or None (static).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))          # 2 parameters, 4 places
+        >>> state = tied.optim.setup(optax.adam(1e-3), c)
+        >>> state, state.paths
+        (OptState(2 unique parameters), ('.layers[0].weight', '.layers[0].bias'))
+        >>> len(jax.tree_util.tree_leaves(state))              # count, mu and nu: no parameters
+        5
+        >>> tied.optim.freeze(state, ".layers[1].bias")
+        OptState(2 unique parameters, 1 frozen)
     """
 
     __slots__ = ("inner_state", "frozen", "tx", "spec", "trainable")
