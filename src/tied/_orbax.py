@@ -10,7 +10,7 @@ manifest of `_manifest.py` (places, shared nodes, views, dtypes, shapes, the
 caller's metadata) goes beside them as JSON.
 
 Layout. ``path`` is a directory that Orbax's ``CheckpointManager`` keeps, with one
-finalised checkpoint in it, named by a save counter::
+finalised checkpoint in it, named by a save counter:
 
     path/
       3/                        # the 4th save to this path; Orbax's composite checkpoint
@@ -202,12 +202,19 @@ def save(path: str | os.PathLike, tree: Any, metadata: Mapping[str, Any] | None 
             an array is a tracer, deleted, or of a dtype Orbax cannot store, or
             the metadata is not JSON. Nothing is written then.
 
-    Example:
-        >>> lm = {"embed": emb, "head": emb}               # one Embedding at two places
-        >>> save("/ckpt/lm", tied.device_put(lm, rows))    # each process writes its rows
-        >>> back = load("/ckpt/lm", like=lm)
-        >>> back["embed"] is back["head"]
-        True
+    Examples:
+        >>> import os, tempfile, jax, numpy as np, tied
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        >>> rows = NamedSharding(Mesh(np.array(jax.devices()), ("model",)), PartitionSpec("model", None))
+        >>> def make_model(key):                           # one Embedding at two places
+        ...     emb = tied.nn.Embedding(8 * jax.device_count(), 4, key=key)
+        ...     return {"embed": emb, "head": emb}
+        >>> lm = tied.device_put(make_model(jax.random.key(0)), rows)   # split by rows
+        >>> path = os.path.join(tempfile.mkdtemp(), "lm")
+        >>> tied.save(path, lm, format="orbax")          # each process writes its rows
+        >>> back = tied.load(path, like=lm)
+        >>> back["embed"] is back["head"], back["head"].weight.sharding == rows
+        (True, True)
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
@@ -268,9 +275,17 @@ def _read_manifest(ckpt: str, where: str) -> dict:
 def load_metadata(path: str | os.PathLike) -> dict:
     """The ``metadata`` saved with the checkpoint at ``path`` (its newest finalised save).
 
-    Example:
-        >>> save("/ckpt/lm", lm, {"step": 500})
-        >>> load_metadata("/ckpt/lm")
+    Examples:
+        >>> import os, tempfile, jax, numpy as np, tied
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        >>> rows = NamedSharding(Mesh(np.array(jax.devices()), ("model",)), PartitionSpec("model", None))
+        >>> def make_model(key):                           # one Embedding at two places
+        ...     emb = tied.nn.Embedding(8 * jax.device_count(), 4, key=key)
+        ...     return {"embed": emb, "head": emb}
+        >>> lm = tied.device_put(make_model(jax.random.key(0)), rows)   # split by rows
+        >>> path = os.path.join(tempfile.mkdtemp(), "lm")
+        >>> tied.save(path, lm, {"step": 500}, format="orbax")
+        >>> tied.load_metadata(path)
         {'step': 500}
     """
     path = os.path.abspath(os.fspath(path))
@@ -364,11 +379,26 @@ def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
             sharding that does not fit its array (named by path), or data Orbax
             cannot read.
 
-    Example:
-        >>> abstract = jax.eval_shape(lambda k: tied.Graph(make_model(k)), key).value
-        >>> like = tied.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, specs)
-        >>> model = load("/ckpt/lm", like)
-        >>> model.head.weight is model.embed.weight
+    Examples:
+        >>> import os, tempfile, jax, numpy as np, tied
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        >>> rows = NamedSharding(Mesh(np.array(jax.devices()), ("model",)), PartitionSpec("model", None))
+        >>> def make_model(key):                           # one Embedding at two places
+        ...     emb = tied.nn.Embedding(8 * jax.device_count(), 4, key=key)
+        ...     return {"embed": emb, "head": emb}
+        >>> lm = tied.device_put(make_model(jax.random.key(0)), rows)   # split by rows
+        >>> path = os.path.join(tempfile.mkdtemp(), "lm")
+        >>> tied.save(path, lm, format="orbax")
+
+        Loading into an abstract model (shapes, dtypes and shardings; no array is
+        built before Orbax reads each process's shards onto it):
+
+        >>> abstract = jax.eval_shape(lambda k: tied.Graph(make_model(k)), jax.random.key(0)).value
+        >>> like = tied.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), abstract)
+        >>> model = tied.load(path, like)
+        >>> model["head"].weight is model["embed"].weight
+        True
+        >>> bool((model["head"].weight == lm["embed"].weight).all())
         True
     """
     if options:
