@@ -4,7 +4,7 @@ Started by tests/test_multiprocess.py, never collected by pytest (the name does 
 match ``test_*.py``). Run as::
 
     python tests/multiprocess/worker.py --out DIR [--port P --process-id I --num-processes N]
-        [--devices 4] [--steps 4] [--save-at 2 --ckpt DIR] [--resume] [--crash-save]
+        [--devices 4] [--steps 4] [--save-at 2 --ckpt DIR [--crash-save]]
 
 The model is `TiedLM` of examples/tied_lm.py: its output head is ``Dense(embed.weight)``,
 the embedding's own array. The mesh is one axis, ``"data"``, over every device of every
@@ -21,11 +21,11 @@ gathered from all processes), which the test compares across processes and with
 the run on one process.
 
 With ``--ckpt``, it saves ``(model, state)`` in the Orbax format after step
-``--save-at``. ``--resume`` starts instead from that checkpoint, restored into an
-abstract ``like`` (`jax.eval_shape`, with shardings; nothing materialised first),
-and runs the remaining steps. ``--crash-save`` saves once more after the last
-step, and process 1 kills itself (SIGKILL) while its shards are written, before
-the save is finalised: a job that dies mid-save.
+``--save-at`` (each process its own shards), restores it into a fresh abstract
+``like`` (`jax.eval_shape`, with shardings: nothing is built first), and steps the
+restored copy beside the live one to the end (``DIR/restored-<process id>.npz``).
+``--crash-save`` then saves once more, and process 1 kills itself (SIGKILL) once its
+shards are written, before the save is finalised: a job that dies mid-save.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save-at", type=int, default=2)
     p.add_argument("--ckpt", default=None)
-    p.add_argument("--resume", action="store_true")
     p.add_argument("--crash-save", action="store_true")
     return p.parse_args()
 
@@ -112,24 +111,18 @@ def main() -> None:
     step = tied.jit(train_step, in_shardings=(*specs, data), out_shardings=(*specs, rep))
 
     all_batches = batches(ARGS.steps)
-    first = 0
-    if ARGS.resume:
-        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in tied.flatten(like)[0])
-        model, state = tied.load(ARGS.ckpt, like)  # never built whole on one host
-        first = tied.load_metadata(ARGS.ckpt)["step"]
-    else:
-        model, state = tied.device_put(jax.jit(init)(jax.random.key(0)).value, specs)
+    model, state = tied.device_put(jax.jit(init)(jax.random.key(0)).value, specs)
     check(model, state, rows, rep)
-    mark("loaded" if ARGS.resume else "initialised")
-    if not ARGS.resume:
-        dump(out / f"init-{pid}.npz", (model, state))
+    mark("initialised")
+    dump(out / f"init-{pid}.npz", (model, state))
 
     # This process's rows of each global batch: those its devices hold.
     index = data.addressable_devices_indices_map((BATCH, SEQ + 1))
     local_rows = sorted({r for idx in index.values() for r in range(BATCH)[idx[0]]})
     assert local_rows == list(range(local_rows[0], local_rows[-1] + 1))
-    losses, checked = [], 0
-    for k in range(first, ARGS.steps):
+    losses, restored_losses, checked = [], [], 0
+    restored = None  # (model, state) restored from the checkpoint, stepped beside the live run
+    for k in range(ARGS.steps):
         local = all_batches[k][local_rows[0]: local_rows[-1] + 1]
         batch = jax.make_array_from_process_local_data(data, local, (BATCH, SEQ + 1))
         model, state, loss = step(model, state, batch)
@@ -137,13 +130,25 @@ def main() -> None:
         checked += 1
         assert loss.sharding.is_equivalent_to(rep, 0)
         losses.append(float(loss))
+        if restored is not None:
+            *restored, loss = step(*restored, batch)
+            check(*restored, rows, rep)
+            restored_losses.append(float(loss))
         mark(f"step {k + 1}")
-        if ARGS.ckpt and not ARGS.resume and k + 1 == ARGS.save_at:
+        if ARGS.ckpt and k + 1 == ARGS.save_at:
             tied.save(ARGS.ckpt, (model, state), metadata={"step": k + 1}, format="orbax")
             mark("saved")
             dump(out / f"saved-{pid}.npz", (model, state))
+            fresh = abstract_like(rule)  # a fresh abstract like: nothing built, shardings only
+            assert all(isinstance(x, jax.ShapeDtypeStruct) for x in tied.flatten(fresh)[0])
+            restored = tied.load(ARGS.ckpt, fresh)
+            assert tied.load_metadata(ARGS.ckpt) == {"step": k + 1}
+            check(*restored, rows, rep)
+            mark("restored")
 
     gdef = dump(out / f"params-{pid}.npz", (model, state))
+    if restored is not None:
+        dump(out / f"restored-{pid}.npz", tuple(restored))
     mark("gathered")
     result = {
         "process": pid,
@@ -151,8 +156,8 @@ def main() -> None:
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
         "local_rows": local_rows,
-        "first_step": first,
         "losses": losses,
+        "restored_losses": restored_losses,
         "checked_steps": checked,
         "paths": gdef.leaf_paths(),
         "embedding_fully_addressable": model.embed.weight.is_fully_addressable,
