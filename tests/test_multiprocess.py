@@ -6,7 +6,10 @@ in all, and train the tied LM of examples/tied_lm.py data-parallel over all of
 them, the tied embedding split by vocabulary rows. The reference is the same
 program as one process with 8 fake devices. Each worker asserts its ties and
 shardings after every step and writes its losses and final arrays; this file
-compares them.
+compares them. The 2 processes also save an Orbax checkpoint after step 2, restore
+it into a fresh abstract ``like`` and step it beside the live run, then save again
+and process 1 is killed mid-save: the previous checkpoint must still load (here,
+into this one-device process). examples/multihost.py ``--local 2`` runs beside them.
 
 Every worker runs in its own process group, killed in a ``finally`` (a failed or
 hung run leaves nothing behind), under a deadline.
