@@ -136,6 +136,14 @@ def main() -> None:
             restored_losses.append(float(loss))
         mark(f"step {k + 1}")
         if ARGS.ckpt and k + 1 == ARGS.save_at:
+            # One file needs the whole embedding in this process: refused, with the fix.
+            single_file = out / f"single-{pid}.safetensors"
+            try:
+                tied.save(single_file, (model, state))
+                raise AssertionError("tied.save wrote a single file of arrays split over processes")
+            except tied.CheckpointError as e:
+                assert "format='orbax'" in str(e) and ".embed.weight" in str(e), e
+            assert not single_file.exists()
             tied.save(ARGS.ckpt, (model, state), metadata={"step": k + 1}, format="orbax")
             mark("saved")
             dump(out / f"saved-{pid}.npz", (model, state))
