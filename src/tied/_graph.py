@@ -56,7 +56,23 @@ _registry = jax.tree_util.default_registry
 
 
 class GraphError(TypeError):
-    """A model that `tied` cannot walk or rebuild; the message names the path and the fix."""
+    """A model that `tied` cannot walk or rebuild; the message names the path and the fix.
+
+    Examples:
+        >>> import jax.numpy as jnp, tied
+        >>> class Opaque:                             # not given to tied.register
+        ...     pass
+        >>> layer = Opaque()
+        >>> layer.weight = jnp.ones(2)
+        >>> try:
+        ...     tied.flatten({"layer": layer})
+        ... except tied.GraphError as e:
+        ...     print(e)
+        ['layer']: an object of unregistered class ...Opaque holds arrays, and tied would drop
+        them as a static leaf. Register the class so tied walks it: decorate it with @tied.register, or
+        call tied.register(Opaque) (a dataclass, an Equinox module or a JAX-registered pytree needs
+        nothing).
+    """
 
 
 class ViewInfo(NamedTuple):
@@ -587,12 +603,26 @@ def register(cls: type) -> type:
         TypeError: ``cls`` is not a class, or is a kind of object `tied` cannot
             rebuild (a tuple subclass other than a namedtuple, a set, a deque).
 
-    Example:
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
         >>> @tied.register
         ... class Dense:
         ...     def __init__(self, weight, bias):
         ...         self.weight, self.bias = weight, bias
-        >>> d1 = Dense(w, b); d2 = Dense(d1.weight, d1.bias)   # tied by reference
+        ...     def __call__(self, x):
+        ...         return x @ self.weight.T + self.bias
+        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
+        >>> d2 = Dense(d1.weight, d1.bias)                      # tied by reference
+        >>> tied.ties([d1, d2])
+        [('[0].weight', '[1].weight'), ('[0].bias', '[1].bias')]
+
+        Plain JAX refuses it rather than cut the tie:
+
+        >>> try:
+        ...     jax.tree_util.tree_leaves([d1, d2])
+        ... except TypeError as e:
+        ...     print("tied.grad" in str(e), "tied.Graph(model)" in str(e))
+        True True
     """
     if not isinstance(cls, type):
         raise TypeError(f"tied.register expects a class, got {cls!r}.")
@@ -846,6 +876,20 @@ class GraphDef:
     Produced by `flatten`, consumed by `unflatten`. Hashable; two graphs with the
     same structure, sharing pattern and identical static leaves (same type, same
     bits: ``-0.0`` differs from ``0.0``) give equal GraphDefs.
+
+    Examples:
+        >>> import jax.numpy as jnp, tied
+        >>> w = jnp.ones((2, 2))
+        >>> leaves, gdef = tied.flatten({"embed": w, "head": w, "bias": jnp.zeros(2)})
+        >>> gdef
+        GraphDef(num_leaves=2, num_nodes=1)
+        >>> gdef.leaf_paths()
+        (("['bias']",), ("['embed']", "['head']"))
+        >>> v = jnp.zeros((2, 2))                     # the same structure and tie, new arrays
+        >>> gdef == tied.flatten({"embed": v, "head": v, "bias": w})[1]
+        True
+        >>> gdef == tied.flatten({"embed": v, "head": w, "bias": w})[1]   # the tie differs
+        False
     """
 
     __slots__ = ("records", "statics", "root", "num_leaves", "_hash", "_k", "_plans", "_places", "_expanded")
@@ -1006,11 +1050,16 @@ def flatten(tree: Any) -> tuple[list, GraphDef]:
         GraphError: an object the walk cannot enter holds arrays, or a reference
             cycle passes through an immutable node; the message names the path.
 
-    Example:
-        >>> d1 = Dense(w, b); d2 = Dense(d1.weight, d1.bias)
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> d2 = Dense(d1.weight, d1.bias)
         >>> leaves, gdef = tied.flatten([d1, d2])
-        >>> len(leaves)            # w and b, once each
-        2
+        >>> len(leaves), leaves[0] is d1.weight    # weight and bias, once each
+        (2, True)
+        >>> gdef.leaf_paths()                      # every place of each
+        (('[0].weight', '[1].weight'), ('[0].bias', '[1].bias'))
     """
     return flatten_with(tree, _flatten_plans)
 
@@ -1321,10 +1370,14 @@ def ties(tree: Any) -> list[tuple[str, ...]]:
     written as ``jax.tree_util.keystr`` writes key paths, in first-seen order.
     The places of a shared node's children are listed under its first place.
 
-    Example:
-        >>> d = Dense(w, b)
-        >>> tied.ties(Chain(d, d))
+    Examples:
+        >>> import jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> tied.ties(Chain(d, d))                 # one layer at two places
         [('.layers[0]', '.layers[1]')]
+        >>> tied.ties(Chain(d, Dense(d.weight)))   # one array at two places
+        [('.layers[0].weight', '.layers[1].weight')]
     """
     _, gdef = flatten(tree)
     places = place_paths(gdef)
@@ -1457,10 +1510,16 @@ def unflatten(graphdef: GraphDef, leaves: Any) -> Any:
     Returns:
         The rebuilt graph.
 
-    Example:
+    Examples:
+        >>> import jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))
         >>> leaves, gdef = tied.flatten(model)
         >>> new = tied.unflatten(gdef, [2 * x for x in leaves])
         >>> new.layers[0].weight is new.layers[1].weight   # the tie is kept
+        True
+        >>> bool((new.layers[1].bias == 2 * d1.bias).all())
         True
     """
     return _unflatten(graphdef, leaves)
