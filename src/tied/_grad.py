@@ -22,7 +22,13 @@ _inexact: dict = {}
 
 
 def is_param(x: Any) -> bool:
-    """Whether an array is a parameter: an array of inexact (float or complex) dtype."""
+    """Whether an array is a parameter: an array of inexact (float or complex) dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp, tied
+        >>> tied.is_param(jnp.ones(3)), tied.is_param(jnp.arange(3)), tied.is_param(1.0)
+        (True, False, False)
+    """
     dt = getattr(x, "dtype", None)
     if dt is None:
         return False
@@ -175,11 +181,24 @@ def value_and_grad(
     Returns:
         A function returning ``(value, grads)``, or ``((value, aux), grads)``.
 
-    Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))      # weight and bias at two places each
+        >>> x = jnp.ones((1, 2))
         >>> loss, g = tied.value_and_grad(lambda m: m(x).sum())(c)
         >>> g.layers[0].weight is g.layers[1].weight
         True
+
+        The total is the sum of the per-place partials:
+
+        >>> p = tied.grad(lambda m: m(x).sum(), per_location=True)(c)
+        >>> bool(jnp.allclose(p.layers[0].weight + p.layers[1].weight, g.layers[0].weight))
+        True
+
+        Only the parameters ``trainable`` accepts get a gradient:
+
         >>> g = tied.grad(lambda m: m(x).sum(), trainable=lambda p, a: a.ndim > 1)(c)
         >>> g.layers[1].bias is None                # the biases are held fixed
         True
@@ -247,8 +266,12 @@ def grad(
     memory per place, for diagnostics); the default returns the total once per
     unique parameter, the same object at each of its places.
 
-    Example:
-        >>> d1 = Dense(w, b); c = Chain(d1, Dense(d1.weight, d1.bias))
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> c = Chain(d1, Dense(d1.weight, d1.bias))      # weight and bias at two places each
+        >>> x = jnp.ones((1, 2))
         >>> g = tied.grad(lambda m: m(x).sum())(c)
         >>> g.layers[0].weight is g.layers[1].weight    # one object: the total
         True
@@ -310,7 +333,9 @@ def accumulate(tree: Any, grads: Any, *, convention: Convention = "auto") -> Any
         ValueError: under ``"auto"``, one array object tied did not make stands
             at several places of a tie; the message names the first place.
 
-    Example:
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> w = jnp.ones(3)
         >>> m = {"a": w, "b": w}                          # one parameter, two places
         >>> g = jax.grad(lambda m: jnp.sum(m["a"] + m["b"]))(m)
         >>> g["a"] is g["b"]                              # one cotangent, two partials
