@@ -141,8 +141,9 @@ def main(args: argparse.Namespace) -> dict:
     batch_size = 2 * n_dev
     tx = optax.adam(1e-2)
 
-    def say(*a):
-        print(f"[process {pid}]", *a, flush=True)
+    def say(text: str) -> None:  # one write per line: the processes may share one output
+        sys.stdout.write(f"[process {pid}] {text}\n")
+        sys.stdout.flush()
 
     @tied.register
     class TiedLM:
