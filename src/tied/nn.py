@@ -317,16 +317,15 @@ class LayerNorm:
 
     Examples:
         >>> import jax, jax.numpy as jnp, tied
-        >>> from tied.nn import Chain, LayerNorm, TransformerBlock
+        >>> from tied.nn import Chain, Dense, LayerNorm
         >>> ln = LayerNorm(16)
-        >>> keys = jax.random.split(jax.random.key(0), 3)
-        >>> blocks = [TransformerBlock(16, 2, key=k) for k in keys]
-        >>> for b in blocks:
-        ...     b.ln2 = ln                     # one norm shared by every block
-        >>> tied.ties(Chain(*blocks))
-        [('.layers[0].ln2', '.layers[1].ln2', '.layers[2].ln2')]
-        >>> ln(jnp.arange(16.0)).mean().round(4).item()
-        0.0
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> model = Chain(Dense(16, 16, key=k1), ln, Dense(16, 16, key=k2), ln)   # one norm, twice
+        >>> tied.ties(model)
+        [('.layers[1]', '.layers[3]')]
+        >>> y = ln(jnp.arange(16.0))
+        >>> bool(jnp.allclose(y.mean(), 0.0, atol=1e-6)), bool(jnp.allclose(y.std(), 1.0, atol=1e-3))
+        (True, True)
     """
 
     weight: Any
@@ -376,7 +375,7 @@ class CausalSelfAttention:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import CausalSelfAttention
         >>> attn = CausalSelfAttention(16, 4, key=jax.random.key(0))
-        >>> attn(jnp.ones((2, 5, 16))).shape
+        >>> jax.eval_shape(attn, jnp.ones((2, 5, 16))).shape   # attn(x), shapes only
         (2, 5, 16)
         >>> tied.param_count(attn)          # qkv: 16*48 + 48, proj: 16*16 + 16
         1088
@@ -466,7 +465,7 @@ class TransformerBlock:
         True
         >>> tied.param_count(albert, per_place=True) == 6 * tied.param_count(block)
         True
-        >>> albert(jnp.ones((2, 5, 16))).shape
+        >>> jax.eval_shape(albert, jnp.ones((2, 5, 16))).shape   # albert(x), shapes only
         (2, 5, 16)
     """
 
