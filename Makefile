@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.bench: $(VENV)/.base
 	$(PIP) install -q -e ".[bench]"
+	touch $@
+
+$(VENV)/.docs: $(VENV)/.base
+	$(PIP) install -q -e ".[docs]"
 	touch $@
 
 demo: $(VENV)/.base
@@ -32,5 +36,9 @@ test: $(VENV)/.base
 bench: $(VENV)/.bench
 	$(PY) -m benchmarks.run
 
+# The API reference: mkdocs-material, with mkdocstrings reading the docstrings; into site/.
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs site .pytest_cache .hypothesis
