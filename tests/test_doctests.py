@@ -68,3 +68,22 @@ def test_docs_page_python_blocks_run(page):
     namespace: dict = {"__name__": "__docs__"}
     for block in re.findall(r"^```python\n(.*?)^```", (DOCS / page).read_text(), flags=re.S | re.M):
         exec(compile(block, str(DOCS / page), "exec"), namespace)
+
+
+def test_docstring_example_sections_are_named_examples():
+    # The API site (mkdocstrings, Google style) renders an "Examples:" section as code; a section
+    # headed "Example:" becomes an admonition in which every ">>>" line is a nested quote.
+    src = Path(tied.__file__).resolve().parent
+    bad = [
+        f"{p.name}:{i}"
+        for p in sorted(src.glob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if line.strip() == "Example:"
+    ]
+    assert not bad, f"name these docstring sections 'Examples:': {bad}"
+
+
+def test_every_example_script_is_on_the_examples_page():
+    page = (DOCS / "examples.md").read_text()
+    scripts = sorted(p.name for p in (DOCS.parent / "examples").glob("*.py"))
+    assert scripts and [s for s in scripts if f'--8<-- "examples/{s}"' not in page] == []
