@@ -145,12 +145,12 @@ def transpose(source: Any) -> View:
 
     Examples:
         >>> import jax, jax.numpy as jnp, tied
-        >>> enc = tied.nn.Dense(784, 32, key=jax.random.key(0))
+        >>> enc = tied.nn.Dense(6, 2, key=jax.random.key(0))
         >>> dec = tied.nn.Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
         >>> dec
-        Dense(32 => 784, no bias, view)
-        >>> dec(enc(jnp.ones((1, 784)))).shape
-        (1, 784)
+        Dense(2 => 6, no bias, view)
+        >>> dec(enc(jnp.ones((1, 6)))).shape
+        (1, 6)
     """
     return View(_check_source(source, "tied.transpose"), _transpose)
 

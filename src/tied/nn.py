@@ -425,7 +425,7 @@ class MLP:
         >>> import jax, jax.numpy as jnp, tied
         >>> from tied.nn import MLP
         >>> mlp = MLP(16, 64, key=jax.random.key(0))
-        >>> mlp(jnp.ones((3, 16))).shape
+        >>> jax.eval_shape(mlp, jnp.ones((3, 16))).shape   # mlp(x), shapes only
         (3, 16)
         >>> mlp
         MLP(16 => 64 => 16)
