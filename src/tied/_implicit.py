@@ -122,13 +122,8 @@ class Params:
 
 def _array_places(gdef: GraphDef) -> list[tuple[str, int]]:
     """Every array place as ``(path, unique leaf index)``, a reference cycle cut where it
-    comes back to a node already entered above (TODO core: place_leaves raises there)."""
-    try:
-        return list(gdef.place_leaves())
-    except GraphError:
-        from ._inspect import unrolled_array_places
-
-        return unrolled_array_places(gdef)
+    comes back to a node already entered above."""
+    return list(gdef.place_leaves())
 
 
 def params(model: Any, *, trainable: Trainable | None = None) -> Params:

@@ -91,12 +91,6 @@ def _obj(p: Any) -> tuple[str, int]:
     return (p.kind, p.index) if p.kind in ("array", "static") else ("node", p.index)
 
 
-def unrolled_array_places(gdef: GraphDef) -> list[tuple[str, int]]:
-    """Every array place as ``(path, unique leaf index)``, a shared node's contents at each
-    of its places, a reference back to a node already entered above not followed again."""
-    return list(gdef.place_leaves())
-
-
 # ---------------------------------------------------------------- counting
 
 

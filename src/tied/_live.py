@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._graph import KINDS, GraphDef, GraphError, Kind, flatten
+from ._graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten
 
 __all__ = ["lock", "Slot", "slots", "write", "restore", "check_written", "changed"]
 
@@ -79,15 +79,12 @@ CHANGED = _Changed()
 
 
 # ---------------------------------------------------------------- finding the places
-# TODO core: the one reader of node kinds here. It needs, by name, the node kind of a
-# walk_places() kind name (its children of a live object, `writable`, `setter`).
-_KIND_BY_NAME = {kind.name: kind for kind in KINDS}
+# The node kind of a walk_places() kind name: its children of a live object, `writable`, `setter`.
+_KIND_BY_NAME = KIND_BY_NAME
 
 
 def _writable(kind: Kind) -> bool:
-    # TODO core: a View's source slot is written with object.__setattr__ (its setter);
-    # the view kind should say writable = True.
-    return kind.writable or kind.name == "view"
+    return kind.writable
 
 
 def _is_frozen_dataclass(obj: Any) -> bool:
