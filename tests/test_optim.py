@@ -1032,3 +1032,19 @@ def test_example_optax_by_path():
     assert ".stats" not in state.paths
     mu = state.inner_state[1].inner_states["embed"].inner_state[0].mu
     assert set(mu) == set(r["keys"])
+
+
+def test_update_keeps_a_static_field_bit_for_bit_whatever_was_seen_before():
+    # Finding 5 of the core issue: after {"s": 0.0} had been seen, update turned -0.0 into +0.0.
+    w = jnp.ones(2)
+    seen = {"w": w, "s": 0.0}
+    for _ in range(3):
+        tied.unflatten(*reversed(tied.flatten(seen)))
+    model = {"w": w, "s": -0.0, 1.0: w}
+    state = tied.optim.setup(optax.sgd(0.5), model)
+    for _ in range(3):
+        g = tied.grad(lambda m: jnp.sum(m["w"] * m[1.0]))(model)
+        model, state = tied.optim.update(state, model, g)
+        assert np.signbit(model["s"]) and type(model["s"]) is float
+        assert [type(k) for k in model] == [str, str, float]
+        assert model["w"] is model[1.0]
