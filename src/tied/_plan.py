@@ -205,9 +205,11 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     if objects:
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
         emit(f" if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
-        # The fields in their order: the walk lists them in assignment order.
-        names = const(tuple(nm for _, _, _, nm in objects), "NAMES")
-        emit(f" if tuple(map(tuple, {tup([d for _, d, _, _ in objects])})) != {names}: raise M")
+        # The fields in their order (the walk lists them in assignment order), all dicts'
+        # keys in one tuple: each dict holds its names (read above), and the same total
+        # sequence then means the same keys in the same order in each.
+        names = const(tuple(n for _, _, _, nm in objects for n in nm), "NAMES")
+        emit(f" if tuple(chain.from_iterable({tup([d for _, d, _, _ in objects])})) != {names}: raise M")
     if str_dicts:
         emit(f" if not STR.issuperset(map(type, chain{tup(str_dicts)})): raise M")
     if statics:
