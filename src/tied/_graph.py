@@ -1012,6 +1012,24 @@ class GraphDef:
                 out.append(ViewInfo(tuple(places.nodes[j]), meta, source, leaf))
         return out
 
+    def expand(self) -> tuple[GraphDef, tuple[int, ...]]:
+        """The graph unrolled into a tree: one node or leaf per *place*, no sharing left.
+
+        Returns the tree's GraphDef and, for each of its leaves (one per array place, in
+        walk order), the index of the unique array that stands there. ``tied.unflatten(
+        tree_def, [leaves[i] for i in place_leaf])`` builds the model as a plain pytree
+        holds it: every place its own container (a reference cycle is a `GraphError`).
+
+        Examples:
+            >>> import jax.numpy as jnp, tied
+            >>> w = jnp.ones(2)
+            >>> leaves, gdef = tied.flatten({"a": w, "b": w})
+            >>> tree_def, place_leaf = gdef.expand()
+            >>> place_leaf, tree_def.num_leaves
+            ((0, 0), 2)
+        """
+        return expand(self)
+
     def place_leaves(self) -> tuple[tuple[str, int], ...]:
         """Every array *place* in walk order (a tie counted at each of its places), as
         ``(path, unique leaf index)``; places below a shared node are listed at every

@@ -39,7 +39,6 @@ import optax
 
 import tied
 
-from ._graph import expand
 from .nn import Dense, Embedding, LayerNorm, TransformerBlock
 
 DIM, HEADS, BLOCKS, REPEAT, SEQ, BATCH = 64, 4, 2, 2, 64, 32
@@ -113,7 +112,7 @@ def _memory(model: Any, grads: Any, state: Any, tx: Any) -> dict[str, int]:
     state_bytes = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(state.inner_state))
     # a per-place representation (a plain pytree, as jax.grad and optax see the model):
     # one gradient and one optimiser state entry at every place of every parameter
-    _, place_leaf = expand(gdef)
+    _, place_leaf = gdef.expand()
     per_place = [leaves[q] for q in place_leaf if tied.is_param(leaves[q])]
     per_place_state = jax.eval_shape(tx.init, per_place)
     pp_grads = sum(_nbytes(x) for x in per_place)
