@@ -716,16 +716,6 @@ def _kind(x: Any) -> Any:
     return k
 
 
-def _node_children(kind: int, x: Any) -> tuple[list, Any]:
-    """The children of node ``x`` in walk order, and the meta data that rebuilds it."""
-    return KINDS[kind].children(x)
-
-
-def _child_key(kind: int, meta: Any, i: int, n: int) -> str:
-    """The keystr piece for child ``i`` of a node, as ``jax.tree_util.keystr`` writes it."""
-    return KINDS[kind].key(meta, i, n)
-
-
 # ---------------------------------------------------------------- unwalkable objects
 
 
@@ -766,7 +756,7 @@ def _has_arrays(obj: Any) -> bool:
         if k is _UNKNOWN:
             stack.extend(_held(x))
         else:
-            stack.extend(_node_children(k, x)[0])
+            stack.extend(KINDS[k].children(x)[0])
     return False
 
 
@@ -1488,15 +1478,6 @@ def _rebuild_plan(gdef: GraphDef) -> tuple:
     plan = (tuple(mutable), tuple(post))
     gdef._plans["order"] = plan
     return plan
-
-
-def _make(kind: int, meta: Any, children: list, materialize: bool) -> Any:
-    if kind == VIEW and materialize:
-        try:
-            return meta(children[0])
-        except Exception as e:
-            raise _view_error(meta, children[0], e) from e
-    return KINDS[kind].make(meta, children)
 
 
 def _view_error(fn, source, e) -> GraphError:
