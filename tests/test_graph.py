@@ -773,3 +773,19 @@ def test_a_pytree_reading_a_list_child_at_construction_sees_it_filled():
         assert out["r"].items[0] is w1 and out["r"].items[1] is w2
     g = tied.grad(lambda m: jnp.sum(m["r"].items[0]) + 2 * jnp.sum(m["r"].items[1]))(model)
     np.testing.assert_allclose(g["r"].items[1], 2.0)
+
+
+class ScaledLinear(eqx.Module):
+    weight: Any
+    scale: float = eqx.field(static=True)
+
+
+def test_a_pytree_static_field_of_other_bits_is_not_served_by_an_old_plan():
+    w = jnp.ones(2)
+    for _ in range(3):
+        tied.flatten([ScaledLinear(w, 0.0)])
+    leaves, gdef = tied.flatten([ScaledLinear(w, -0.0)])
+    out = tied.unflatten(gdef, leaves)
+    assert np.signbit(out[0].scale)
+    leaves, gdef = tied.flatten([ScaledLinear(w, 1)])  # equal to 1.0, another type
+    assert type(tied.unflatten(gdef, leaves)[0].scale) is int

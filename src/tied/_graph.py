@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import os
 import struct
 import sys
@@ -855,6 +856,17 @@ def _strict(v: Any) -> Any:
 
 
 _pack_d = struct.Struct("<d").pack
+
+
+def _same_strict(a: Any, b: Any, strict_b: Any) -> bool:
+    """Whether ``a`` rebuilds as ``b`` does (``strict_b`` is ``_strict(b)``): at once when
+    it is ``b`` or a tuple of the very objects of ``b`` (a pytree's aux data made anew on
+    each flatten, say), else by comparing strict keys."""
+    if a is b:
+        return True
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b) and all(map(operator.is_, a, b)):
+        return True
+    return _strict(a) == strict_b
 
 
 # ---------------------------------------------------------------- the GraphDef

@@ -344,9 +344,10 @@ def jit(
             if better is None:
                 raise
             raise better from e
-        for x, total in zip(out.leaves, out.totals):
-            if total:
-                mark_total(x)
+        if any(out.totals):  # the output holds tied's own total gradients: keep them known
+            for x, total in zip(out.leaves, out.totals):
+                if total:
+                    mark_total(x)
         return _unflatten(out.graphdef, out.leaves)
 
     wrapped._cache = cache  # for tests and introspection

@@ -90,6 +90,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     order = _walk_order(gdef)
     records = gdef.records
     ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View, "STRICT": g._strict}
+    ns["SAME"] = g._same_strict
     ns["is_"], ns["is_not"] = operator.is_, operator.is_not
     ns["FOL"] = g._registry.flatten_one_level
     ns["chain"] = itertools.chain
@@ -186,7 +187,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             saux = const(g._strict(meta[1]), "SAUX")
             emit(f" if type({v}) is not {t}: raise M")
             emit(f" c{q}, a{q} = FOL({v})")
-            emit(f" if len(c{q}) != {n} or (a{q} is not {aux} and STRICT(a{q}) != {saux}): raise M")
+            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {aux}, {saux}): raise M")
             child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
         elif kind == g.VIEW:
             fn = const(meta, "FN")
@@ -196,10 +197,11 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         else:  # any other kind: its own children(), its meta compared strictly
             t = const(g.KINDS[kind].type_of(meta), "T")
             ch = const(g.KINDS[kind].children, "CH")
+            m = const(meta, "MT")
             smeta = const(g._strict(meta), "SM")
             emit(f" if type({v}) is not {t}: raise M")
             emit(f" c{q}, a{q} = {ch}({v})")
-            emit(f" if len(c{q}) != {n} or STRICT(a{q}) != {smeta}: raise M")
+            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {m}, {smeta}): raise M")
             child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
 
     if objects:
@@ -214,10 +216,22 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         emit(f" if not STR.issuperset(map(type, chain{tup(str_dicts)})): raise M")
     if statics:
         values = const(tuple(static_values), "SV")
-        strict = const(tuple(map(g._strict, static_values)), "SS")
         emit(f" sv = {tup(statics)}")
-        # An identical object is the same static; anything else must match in type and bits.
-        emit(f" if any(map(is_not, sv, {values})) and tuple(map(STRICT, sv)) != {strict}: raise M")
+        # An identical object is the same static; anything else must match in type, and in
+        # value: by == where == is exact (str, int, None, functions...), by bits where it is
+        # not (floats and complex numbers: -0.0 == 0.0; tuples holding them; numpy scalars).
+        types = const(tuple(type(x) for x in static_values), "ST")
+        ambiguous = (float, complex, tuple, g.np.generic)
+        bits = [k for k, x in enumerate(static_values) if isinstance(x, ambiguous)]
+        plain = [k for k in range(len(static_values)) if k not in set(bits)]
+        checks = [f"tuple(map(type, sv)) != {types}"]
+        if plain:
+            pv = const(tuple(static_values[k] for k in plain), "PV")
+            checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
+        if bits:
+            bv = const(tuple(g._strict(static_values[k]) for k in bits), "BV")
+            checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
+        emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
     emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
     emit(" if not AT.issuperset(map(type, out)): raise M")
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
