@@ -9,12 +9,13 @@ one buffer under jit, one entry in a checkpoint.
 from . import nn, optim
 from ._checkpoint import CheckpointError, load, load_metadata, save
 from ._grad import accumulate, grad, is_param, value_and_grad
-from ._graph import GraphDef, GraphError, flatten, register, ties, unflatten
+from ._graph import GraphDef, GraphError, flatten, is_state, register, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, jit
 from ._live import lock as live_lock
 from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
+from ._state import Rng, State, register_state
 from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
 from ._surgery import PathError, replace, tie, untie
 from ._view import View, materialize, transpose, view
@@ -30,6 +31,8 @@ __all__ = [
     "Grads",
     "Params",
     "PathError",
+    "Rng",
+    "State",
     "View",
     "accumulate",
     "data_parallel",
@@ -38,6 +41,7 @@ __all__ = [
     "grad",
     "gradient",
     "is_param",
+    "is_state",
     "jit",
     "load",
     "live_lock",
@@ -50,6 +54,7 @@ __all__ = [
     "params",
     "print_summary",
     "register",
+    "register_state",
     "replace",
     "render_dot",
     "save",

@@ -52,8 +52,9 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
             not a Python or numpy bool (a traced value, say); the message names
             the path.
     """
+    state = gdef.state_leaves()  # state is never a parameter (and trainable= never sees it)
     if trainable is None:
-        return [is_param(x) for x in leaves]
+        return [is_param(x) and not s for x, s in zip(leaves, state)]
     if not callable(trainable):
         raise TypeError(
             f"trainable= takes a function (path, array) -> bool, got {type(trainable).__name__}. "
@@ -63,9 +64,9 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
     for path, i in gdef.place_leaves():  # every place, below shared nodes too
         all_paths[i].append(path)
     out = []
-    for x, paths in zip(leaves, all_paths):
+    for x, paths, s in zip(leaves, all_paths, state):
         keep = False
-        if is_param(x):
+        if is_param(x) and not s:
             for path in paths:
                 r = trainable(path, x)
                 if not isinstance(r, (bool, np.bool_)):

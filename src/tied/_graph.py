@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ._compat import is_pytree_node
+from ._state import Rng, State, _state_types, is_state_type
 from ._view import View
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "Place",
     "ViewInfo",
     "flatten",
+    "is_state",
     "unflatten",
     "register",
     "ties",
@@ -560,7 +563,7 @@ _EQX_MODULE_FILE = os.path.join("equinox", "_module", "_module.py")
 def _refuse_jax_flatten(cls: type) -> None:
     """Make JAX's pytree functions (tree_map, jit, grad, vmap, optax's init) refuse ``cls``
     with a message naming the tied way, instead of treating it as an opaque leaf."""
-    if _registry.is_node(cls):
+    if is_pytree_node(cls):
         return  # already a JAX pytree (registered by its author): leave JAX's rule alone
 
     def refuse(x):
@@ -652,6 +655,26 @@ def register(cls: type) -> type:
     return cls
 
 
+def is_walkable_type(t: type) -> bool:
+    """Whether the walk enters instances of ``t`` as nodes without registration."""
+    return (
+        t in _registered
+        or t is View
+        or t in (list, dict, tuple)
+        or is_pytree_node(t)
+        or dataclasses.is_dataclass(t)
+    )
+
+
+def clear_caches() -> None:
+    """Forget every classification and compiled plan (a class's meaning changed)."""
+    with _cache_lock:
+        _type_cache.clear()
+        _seen_once.clear()
+        for cache in _plan_caches:
+            cache.clear()
+
+
 _STATIC_TYPES = (
     type(None),
     bool,
@@ -693,9 +716,9 @@ def _classify(x: Any) -> Any:
         return TUPLE
     if t is dict:
         return DICT
-    if isinstance(x, tuple) and hasattr(t, "_fields") and _registry.is_node(t):
+    if isinstance(x, tuple) and hasattr(t, "_fields") and is_pytree_node(t):
         return NAMEDTUPLE
-    if _registry.is_node(t):
+    if is_pytree_node(t):
         return PYTREE
     if dataclasses.is_dataclass(t):
         if hasattr(x, "__dict__"):
@@ -964,15 +987,16 @@ class GraphDef:
     # ------------------------------------------------ what the layers above may read
     # Everything outside the core reads a GraphDef through these names only.
 
-    def walk_places(self, *, expand_shared: bool = False) -> Iterator[Place]:
+    def walk_places(self, *, expand_shared: bool = False, cut_cycles: bool = False) -> Iterator[Place]:
         """Every place of the graph in walk order (depth first, children in order).
 
         By default a shared node's children are visited under its first place
         only (its later places are yielded with ``first=False``); with
         ``expand_shared=True`` they are visited at every place, as in a tree
-        (a reference cycle is then a `GraphError`).
+        (a reference cycle is then a `GraphError`, or with ``cut_cycles`` a reference back
+        to a node entered above is yielded but not followed).
         """
-        for path, depth, r, first, _, _ in _traverse(self, expand_shared):
+        for path, depth, r, first, _, _ in _traverse(self, expand_shared, cut_cycles):
             q, m = divmod(r, 3)
             if m == 0:
                 yield Place(path, depth, "array", q, first, None, None)
@@ -1043,6 +1067,91 @@ class GraphDef:
                 (path, r // 3) for path, _, r, _, _, _ in _traverse(self, True, True) if r % 3 == 0
             )
         return out
+
+
+    def state_leaves(self) -> tuple[bool, ...]:
+        """For each unique array (in `flatten` order), whether it is *state*: it sits below
+        a state cell (`tied.State`, a class given to `tied.register_state`, a Flax NNX
+        ``Variable`` that is not a ``Param``). State is never a parameter.
+
+        Raises:
+            GraphError: one array is both state (below a cell) and held at a place
+                outside every cell; the message names both places.
+        """
+        out = self._plans.get("state leaves")
+        if out is None:
+            out = self._plans["state leaves"] = _state_leaves(self)
+        return out
+
+    def state_nodes(self) -> tuple[bool, ...]:
+        """For each node (in `walk_places` index order), whether it is a state cell."""
+        out = self._plans.get("state nodes")
+        if out is None:
+            out = self._plans["state nodes"] = tuple(
+                is_state_type(KINDS[kind].type_of(meta)) if kind not in (TUPLE, LIST, DICT) else False
+                for kind, meta, _ in self.records
+            )
+        return out
+
+
+def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
+    cells = gdef.state_nodes()
+    if not any(cells):
+        return (False,) * gdef.num_leaves
+    state: list[Any] = [None] * gdef.num_leaves  # None: not met; else (is state, first path)
+    inside: list[bool] = []  # by depth: whether the node open at that depth is in a cell
+    for path, depth, r, _, _, _ in _traverse(gdef, True, True):
+        del inside[depth:]
+        q, m = divmod(r, 3)
+        above = inside[depth - 1] if depth else False
+        if m == 1:
+            inside.append(above or cells[q])
+        elif m == 0:
+            seen = state[q]
+            if seen is None:
+                state[q] = (above, path)
+            elif seen[0] != above:
+                s, p = (seen[1], path) if seen[0] else (path, seen[1])
+                raise GraphError(
+                    f"{p or '<root>'} and {s or '<root>'}: one array is both a parameter place and "
+                    f"a state place (below a state cell at {s or '<root>'}). State changes when "
+                    "the model runs and is never trained, so the two cannot be one object: give the "
+                    "state its own array (e.g. jnp.array(x) copies it)."
+                )
+    return tuple(bool(s and s[0]) for s in state)
+
+
+def is_state(tree: Any, path: str) -> bool:
+    """Whether ``path`` is a state place of ``tree``: a state cell, or a place below one.
+
+    Args:
+        tree: the model.
+        path: a keystr path (``".bn.running_mean.value"``), ``""`` for the root.
+
+    Returns:
+        True for a state cell's place and every place below it.
+
+    Raises:
+        KeyError: ``path`` is no place of ``tree``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> bn = tied.nn.BatchNorm(3)
+        >>> tied.is_state(bn, ".running_mean.value"), tied.is_state(bn, ".weight")
+        (True, False)
+    """
+    _, gdef = flatten(tree)
+    cells = gdef.state_nodes()
+    inside: list[bool] = []
+    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        del inside[place.depth :]
+        above = inside[place.depth - 1] if place.depth else False
+        here = above or (place.kind not in ("array", "static") and cells[place.index])
+        if place.kind not in ("array", "static"):
+            inside.append(here)
+        if place.path == path:
+            return here
+    raise KeyError(f"tied.is_state: {path!r} is no place of the model.")
 
 
 # ---------------------------------------------------------------- flatten
@@ -1693,3 +1802,9 @@ class _Broadcast:
 
     def __init__(self, obj: Any):
         self.obj = obj
+
+
+# The state cells of `_state`: walked as registered objects (path ``.value``), marked as state.
+register(State)
+register(Rng)
+_state_types.add(State)
