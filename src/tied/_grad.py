@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._graph import GraphDef, _unflatten, expand, flatten, read_places
+from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
+from ._live import lock, slots, write
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -225,19 +226,33 @@ def value_and_grad(
             structure, inputs = gdef, leaves
             diff = [i for i, m in enumerate(mask) if m]
 
+        written: list = []  # (input index, position in the written values), learnt in f
+
         def f(params):
             full = list(inputs)
             for i, p in zip(diff, params):
                 full[i] = p
             selected = _unflatten(structure, full, materialize=True)
+            before_leaves, before = flatten(selected)
             if single:
                 selected = (selected,)
             new_args = list(args)
             for i, a in zip(nums, selected):
                 new_args[i] = a
-            return fun(*new_args, **kwargs)
+            out = fun(*new_args, **kwargs)
+            # State written during the forward pass (or a parameter replaced) goes back to
+            # the caller's objects after the call, as if the loss had run on them.
+            after_leaves, after = flatten(selected[0] if single else selected)
+            new = _written(before, before_leaves, after, after_leaves, full)
+            written[:] = [i for i, _ in new]
+            values = [v for _, v in new]
+            return (out[0], (out[1], values)) if has_aux else (out, (None, values))
 
-        value, dparams = jax.value_and_grad(f, has_aux=has_aux)([inputs[i] for i in diff])
+        (value, (aux, new_values)), dparams = jax.value_and_grad(f, has_aux=True)([inputs[i] for i in diff])
+        if written:
+            _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
+        if has_aux:
+            value = (value, aux)
         grads: list = [None] * len(inputs)
         seen: set[int] = set()
         for i, g in zip(diff, dparams):
@@ -250,6 +265,51 @@ def value_and_grad(
         return value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list) -> list:
+    """``(input index, new value)`` for each array the loss put at an existing place of its
+    model; a change of structure is an error (it cannot be carried out of the gradient)."""
+    if after != before:
+        raise GraphError(
+            "tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
+            "attribute added or removed, a static changed), which cannot be carried out of the "
+            "gradient computation; nothing was written into your objects. Change the model "
+            "outside the loss, or write new values only into existing places (a tied.State's .value)."
+        )
+    index = {id(x): i for i, x in enumerate(full)}
+    out = []
+    for b, a in zip(before_leaves, after_leaves):
+        if a is b:
+            continue
+        i = index.get(id(b))
+        if i is None or full[i] is not b:
+            raise GraphError(
+                "tied.grad: the loss wrote a new value at a view's place; a view is a function of "
+                "its source and cannot be written. Write into the source's place instead."
+            )
+        out.append((i, a))
+    return out
+
+
+def _write_state(args, nums, single, leaves, gdef, structure, written, values, per_location) -> None:
+    """Write what the loss put into its model copy into the caller's own objects."""
+    if per_location:
+        place_leaf = expand(gdef)[1]
+        by_leaf: dict[int, Any] = {}
+        for i, v in zip(written, values):
+            q = place_leaf[i]
+            if q in by_leaf:
+                raise GraphError(
+                    f"{gdef.leaf_paths()[q][0] or '<root>'}: the loss wrote this shared state at two "
+                    "of its places, which per_location=True computes apart; take the gradient "
+                    "with per_location=False (state is one object at all its places)."
+                )
+            by_leaf[q] = v
+        written, values = list(by_leaf), list(by_leaf.values())
+    model = args[nums[0]] if single else tuple(args[i] for i in nums)
+    with lock:
+        write(slots(model, gdef, written, action="tied.grad", frozen_ok=True), values)
 
 
 def grad(
@@ -355,10 +415,12 @@ def _ambiguous(gdef: GraphDef, i: int, n: int) -> ValueError:
     return ValueError(
         f"{path}: the gradient holds one array object at {n} places of this tied parameter, "
         "and it is not a total made by tied.grad, so it cannot tell an aliased total (count "
-        "it once) from plain jax.grad handing one cotangent to two uses (sum them). Pass "
-        "convention='partials' for plain jax.grad output, or convention='total' for a total "
-        "you put at every place yourself (or a tied.grad result that came back through "
-        "jax.jit)."
+        "it once) from plain jax.grad handing one cotangent to two uses (sum them). Say which "
+        "it is: convention='partials' if each place got its own use's gradient (plain "
+        "jax.grad on the model as a pytree, one entry per place); convention='total' if the "
+        "one object already is the whole gradient (you put a total at every place, or it came "
+        "through a tied.Graph or jax.jit, which keep one array per tie). Gradients from "
+        "tied.grad, tied.jit and tied.Graph(...).value need no convention."
     )
 
 

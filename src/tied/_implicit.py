@@ -359,8 +359,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
     """
     if not isinstance(params, Params):
         raise TypeError(
-            f"tied.gradient(fun, params): params must be tied.params(model), got "
-            f"{type(params).__name__}."
+            f"tied.gradient(fun, params): params must be tied.params(model), got {type(params).__name__}."
         )
     if not callable(fun):
         raise TypeError(f"tied.gradient(fun, params): fun must be callable, got {fun!r}.")
@@ -370,6 +369,9 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
         where = slots(model, gdef, train, action="tied.gradient", frozen_ok=True)
         originals = [leaves[i] for i in train]
 
+        trained = set(train)
+        state_at: list[int] = []  # unique arrays (not trained) that fun wrote: state
+
         def f(values: list) -> Any:
             values = list(values)
             write(where, values)
@@ -378,13 +380,37 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
                 expected[i] = v
             check_written(model, gdef, expected, where, why=_NOT_SEEN)
             out = fun()
+            now_leaves, now = flatten(model)
+            if now == gdef:
+                new = [q for q, (a, b) in enumerate(zip(now_leaves, expected)) if a is not b]
+                if new and not trained.intersection(new):
+                    # State written during the call (stop-gradiented by tied.State): its value
+                    # leaves the trace as aux data and is written back concretely after.
+                    state_at[:] = new
+                    return out, [now_leaves[q] for q in new]
             _check_after(model, gdef, expected, where, values)
-            return out
+            return out, []
 
+        done = False
         try:
-            grads = jax.grad(f)(originals)
+            grads, new_state = jax.grad(f, has_aux=True)(originals)
+            done = True
         finally:
             restore(where, originals, action="tied.gradient")
+            # State is written back concretely after a call, and put back as it was after a
+            # failure: a traced value never stays in the model.
+            if done:
+                at, back = state_at, (new_state if state_at else [])
+            else:
+                now_leaves, now = flatten(model)
+                at = (
+                    []
+                    if now != gdef
+                    else [q for q, x in enumerate(now_leaves) if x is not leaves[q] and q not in trained]
+                )
+                back = [leaves[q] for q in at]
+            if at:
+                write(slots(model, gdef, at, action="tied.gradient", frozen_ok=True), back)
     return Grads(originals, grads)
 
 

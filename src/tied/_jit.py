@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec
 
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
+from ._live import lock, slots, write
 from ._sharding import _describe, _same_layout, leaf_shardings
 
-__all__ = ["Graph", "jit"]
+__all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
 _MISSING = object()
 
@@ -51,6 +52,16 @@ class Graph:
         >>> ref = tied.grad(lambda m: m(x).sum())(g.value)
         >>> bool(jnp.allclose(grads.layers[0].weight, ref.layers[0].weight))
         True
+
+        Such a gradient is one total per tie, and tied knows it: `tied.optim.update`
+        takes it as it is (no ``convention``):
+
+        >>> import optax
+        >>> model = g.value
+        >>> state = tied.optim.setup(optax.adam(1e-2), model)
+        >>> new, state = tied.optim.update(state, model, grads)
+        >>> new.layers[0].weight is new.layers[1].weight
+        True
     """
 
     __slots__ = ("leaves", "graphdef", "_value")
@@ -67,6 +78,11 @@ class Graph:
         v = self._value
         if v is _MISSING:
             v = self._value = _unflatten(self.graphdef, self.leaves)
+            # One array per tie by construction: a gradient that came back through a Graph
+            # (jax.grad of a function of it) is a total at every place, and is known as one.
+            for x in self.leaves:
+                if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+                    mark_total(x)
         return v
 
     def tree_flatten(self):
@@ -89,13 +105,13 @@ class _Output:
     """What the traced function of `tied.jit` returns: the unique output arrays, with the
     output's GraphDef and the marks of tied's total gradients as static auxiliary data."""
 
-    __slots__ = ("leaves", "graphdef", "totals")
+    __slots__ = ("leaves", "graphdef", "totals", "written")
 
-    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[bool, ...]):
-        self.leaves, self.graphdef, self.totals = leaves, graphdef, totals
+    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[bool, ...], written: Any):
+        self.leaves, self.graphdef, self.totals, self.written = leaves, graphdef, totals, written
 
     def tree_flatten(self):
-        return self.leaves, (self.graphdef, self.totals)
+        return self.leaves, (self.graphdef, self.totals, self.written)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves) -> _Output:
@@ -106,10 +122,377 @@ def _normalise(nums: int | Sequence[int]) -> tuple[int, ...]:
     return (nums,) if isinstance(nums, int) else tuple(nums)
 
 
+# ---------------------------------------------------------------- one compiled structure
+
+
 class _Compiled:
-    """What one input structure compiles to: the jitted function and how to read its output."""
+    """What one input structure compiles to: the jitted function, which unique leaves are
+    donated, and (learnt when it is traced) which input leaves it writes back."""
 
     __slots__ = ("fn", "donated", "kept", "in_specs")
+
+
+class _Written:
+    """Static auxiliary data of the traced function's output: which unique input leaves it
+    wrote (new values at existing places of the arguments, or donated arrays handed back)."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: tuple[int, ...]):
+        self.indices = indices
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Written and other.indices == self.indices
+
+    def __hash__(self) -> int:
+        return hash(self.indices)
+
+
+def _arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
+    """For each unique leaf of ``(args, kwargs)``, the arguments (an int position or a str
+    keyword) holding it at any place, below shared nodes too. The root is the pair, so the
+    places at depth 2 are the arguments themselves, in order (kwargs in the dict's order)."""
+    owners: list[set] = [set() for _ in range(gdef.num_leaves)]
+    names = [None, list(range(n_args)), sorted(kw_order)]
+    side = arg = None
+    count = [0, 0, 0]
+    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        if place.depth == 1:
+            side = 1 if count[0] == 0 else 2
+            count[0] += 1
+            continue
+        if place.depth == 2:
+            arg = names[side][count[side]]
+            count[side] += 1
+        if place.depth >= 2 and place.kind == "array":
+            owners[place.index].add(arg)
+    return owners
+
+
+def _is_donated(a: Any, n_args: int, nums: frozenset, names: frozenset) -> bool:
+    if isinstance(a, int):
+        return a in nums or a - n_args in nums
+    return a in names
+
+
+def _donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, names: frozenset):
+    """Which unique leaves are donated: those held only by donated arguments (every place
+    counts, below shared nodes too)."""
+    if not (nums or names):
+        return (), tuple(range(gdef.num_leaves))
+
+    owners = _arguments(gdef, n_args, kw_order)
+    donated = tuple(
+        q for q, own in enumerate(owners) if own and all(_is_donated(a, n_args, nums, names) for a in own)
+    )
+    gone = set(donated)
+    return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
+
+
+def _first_difference(before: GraphDef, after: GraphDef) -> str:
+    """The path where two structures first differ, and how (for a write-back refusal)."""
+    a = list(before.walk_places())
+    b = list(after.walk_places())
+    for p, q in zip(a, b):
+        if p.path != q.path:
+            return f"{_place_name(min(p.path, q.path))}: a place was added or removed there"
+        if p.kind != q.kind or p.type is not q.type:
+            return f"{_place_name(p.path)}: a {p.kind} became a {q.kind}"
+        if p.first != q.first or p.index != q.index:
+            return f"{_place_name(p.path)}: the sharing changed there (a tie was cut or made)"
+        if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
+            return f"{_place_name(p.path)}: a static value changed"
+    if len(a) != len(b):
+        longer = a if len(a) > len(b) else b
+        return f"{_place_name(longer[min(len(a), len(b))].path)}: a place was added or removed there"
+    return "<root>: the structure changed"
+
+
+def _structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
+    return GraphError(
+        f"{_first_difference(before, after)}. {where} changed the structure of an argument "
+        "(a tie cut, an attribute added or removed, a static changed), which cannot be "
+        "carried out of a compiled function; nothing was written into your objects. Build "
+        "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
+        "return new graphs) and rebind it, or make the change outside the compiled function."
+    )
+
+
+def _returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
+    """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
+    two levels down): a donated argument's updated copy, which the caller rebinds."""
+    target = flatten(arg)[1]
+    if out_gdef == target:
+        return True
+    level = [out]
+    for _ in range(2):
+        nxt = []
+        for x in level:
+            if isinstance(x, (tuple, list)):
+                nxt.extend(x)
+            elif isinstance(x, dict):
+                nxt.extend(x.values())
+        for x in nxt:
+            if isinstance(x, (list, tuple, dict)) or hasattr(x, "__dict__") or hasattr(x, "__slots__"):
+                try:
+                    if flatten(x)[1] == target:
+                        return True
+                except GraphError:
+                    pass
+        level = nxt
+    return False
+
+
+def _write_back(root: Any, gdef: GraphDef, written: tuple, values: list, action: str) -> None:
+    """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
+    one write per unique container, under `tied.live_lock`. Every place is found (and checked
+    writable) before anything is written."""
+    with lock:
+        at = slots(root, gdef, written, action=action, frozen_ok=True)
+        write(at, values)
+
+
+def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse):
+    """The function `jax.jit` traces for one input structure: rebuild the arguments, run
+    ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
+    existing places of its arguments (written back by the caller)."""
+
+    def flat_fun(donated_leaves, kept_leaves):
+        both = list(donated_leaves) + list(kept_leaves)
+        leaves = [both[p] for p in inverse]
+        root = _unflatten(gdef, leaves)
+        dyn_args, dyn_kwargs = root
+        args = list(dyn_args)
+        for i, v in statics:
+            args[i] = v
+        out = fun(*args, **dyn_kwargs, **dict(kw_static))
+        out_leaves, out_gdef = flatten(out)
+        if out_shardings_fn is not None:
+            out_leaves = out_shardings_fn(out_gdef, out_leaves)
+        # What fun wrote into its arguments: the same structure, new objects at some places.
+        after_leaves, after = flatten(root)
+        if after != gdef:
+            raise _structure_error(gdef, after, "tied.jit: the function")
+        written = [q for q, (a, b) in enumerate(zip(leaves, after_leaves)) if a is not b]
+        n_donated = len(donated_leaves)
+        if n_donated:
+            # A donated argument that is not handed back as an updated copy stays usable:
+            # its donated arrays come back (aliased, no copy) and are written back too.
+            owners = _arguments(gdef, len(dyn_args), tuple(dyn_kwargs))
+            given_up = set()
+            for a in set().union(*owners):
+                arg = dyn_args[a] if isinstance(a, int) else dyn_kwargs[a]
+                if _is_donated(a, len(dyn_args), donate_nums, donate_names) and _returns_copy(
+                    out_gdef, out, arg
+                ):
+                    given_up.add(a)
+            seen = set(written)
+            for q, pos in enumerate(inverse):
+                if pos < n_donated and q not in seen and not (owners[q] & given_up):
+                    seen.add(q)
+            written = sorted(seen)
+        new_values = [after_leaves[q] for q in written]
+        # The output's structure, which of its arrays are tied's own total gradients, and
+        # what was written travel back through JAX as static auxiliary data.
+        return _Output(
+            out_leaves + new_values, out_gdef, tuple(map(is_total, out_leaves)), _Written(tuple(written))
+        )
+
+    return flat_fun
+
+
+class Jitted:
+    """A function compiled by `tied.jit`: call it, ``.lower(*args)`` it, bind it as a method."""
+
+    def __init__(self, fun: Callable, options: dict):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        o = options
+        static_nums = _normalise(o["static_argnums"])
+        sn = o["static_argnames"]
+        static_names = (sn,) if isinstance(sn, str) else tuple(sn)
+        donate_nums = _normalise(o["donate_argnums"])
+        dn = o["donate_argnames"]
+        donate_names = (dn,) if isinstance(dn, str) else tuple(dn)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(fun)
+        except (TypeError, ValueError):
+            self._signature = None
+        params = list(self._signature.parameters.values()) if self._signature else []
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._bind = self._signature is not None and not any(p.kind == p.VAR_KEYWORD for p in params)
+        # jax.jit's convention: a static or donated argument may be named by position or name.
+        static_nums += tuple(positional.index(n) for n in static_names if n in positional)
+        donate_nums += tuple(positional.index(n) for n in donate_names if n in positional)
+        static_names += tuple(positional[i] for i in static_nums if 0 <= i < len(positional))
+        donate_names += tuple(positional[i] for i in donate_nums if 0 <= i < len(positional))
+        self._static_nums, self._static_names = frozenset(static_nums), frozenset(static_names)
+        self._donate_nums, self._donate_names = frozenset(donate_nums), frozenset(donate_names)
+        self._in_shardings = o["in_shardings"]
+        self._out_shardings = o["out_shardings"]
+        self._jax_kwargs = o["jax_jit_kwargs"]
+        self._compiled: dict = {}
+        self._plans = plan_cache()
+        self._lock = threading.Lock()
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<tied.jit of {getattr(self.fun, '__qualname__', self.fun)!r}>"
+
+    # ------------------------------------------------ calling
+    def _prepare(self, args: tuple, kwargs: dict):
+        if kwargs and self._bind:
+            # Arguments given by keyword are placed by the signature, so that static_argnums
+            # and donate_argnums name the same argument however it is passed.
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError:
+                pass
+            else:
+                args, kwargs = bound.args, bound.kwargs
+        static_key, dyn_args, dyn_kwargs = _split(args, kwargs, self._static_nums, self._static_names)
+        root = (dyn_args, dyn_kwargs)
+        leaves, gdef = flatten_with(root, self._plans)
+        key = (gdef, static_key)
+        try:
+            entry = self._compiled.get(key)
+        except GraphError as e:  # an unhashable static field: say which argument holds it
+            raise GraphError(_argument_path(str(e))) from None
+        except TypeError:
+            raise TypeError(
+                "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
+                "pass a hashable value (a tuple instead of a list), or make it a traced argument."
+            ) from None
+        if entry is None:
+            with self._lock:
+                entry = self._compiled.get(key)
+                if entry is None:
+                    entry = self._compiled[key] = self._compile(
+                        key, gdef, leaves, len(args), tuple(dyn_kwargs)
+                    )
+        return root, leaves, gdef, entry
+
+    def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
+        if entry.donated:
+            return [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
+        return (), leaves
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        root, leaves, gdef, entry = self._prepare(args, kwargs)
+        try:
+            out = entry.fn(*self._inputs(entry, leaves))
+        except ValueError as e:
+            if entry.in_specs is None or "does not match the sharding" not in str(e):
+                raise
+            better = _placement_error(gdef, leaves, entry.in_specs)
+            if better is None:
+                raise
+            raise better from e
+        written = out.written.indices
+        n_out = len(out.leaves) - len(written)
+        out_leaves = out.leaves[:n_out]
+        if written:
+            _write_back(root, gdef, written, out.leaves[n_out:], "tied.jit")
+        if any(out.totals):  # the output holds tied's own total gradients: keep them known
+            for x, total in zip(out_leaves, out.totals):
+                if total:
+                    mark_total(x)
+        return _unflatten(out.graphdef, out_leaves)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
+        HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
+        _, leaves, _, entry = self._prepare(args, kwargs)
+        return entry.fn.lower(*self._inputs(entry, leaves))
+
+    # ------------------------------------------------ compiling
+    def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple) -> _Compiled:
+        entry = _Compiled()
+        entry.donated, entry.kept = _donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
+        statics, kw_static = key[1]
+        entry.in_specs = None
+        shardings = {}
+        if self._in_shardings is not None:
+            specs = entry.in_specs = _input_specs(self._in_shardings, gdef, leaves, n_args, statics)
+            shardings["in_shardings"] = (
+                [specs[q] for q in entry.donated] if entry.donated else (),
+                [specs[q] for q in entry.kept],
+            )
+        order = entry.donated + entry.kept
+        inverse = [0] * len(order)
+        for pos, q in enumerate(order):
+            inverse[q] = pos
+        constrain = None
+        if self._out_shardings is not None:
+            out_shardings = self._out_shardings
+
+            def constrain(out_gdef, out_leaves):
+                return _constrain_outputs(out_shardings, out_gdef, out_leaves)
+
+        body = _trace_body(
+            self.fun, gdef, statics, kw_static, self._donate_nums, self._donate_names, constrain, inverse
+        )
+        entry.fn = jax.jit(
+            body, donate_argnums=(0,) if entry.donated else (), **shardings, **self._jax_kwargs
+        )
+        return entry
+
+
+def _split(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):
+    """The static arguments (hashed into the cache key) and the dynamic ones (flattened)."""
+    n = len(args)
+    if static_nums:
+        statics = tuple((i, args[i]) for i in range(n) if i in static_nums or i - n in static_nums)
+        dyn_args = tuple(
+            _STATIC if (i in static_nums or i - n in static_nums) else a for i, a in enumerate(args)
+        )
+    else:
+        statics, dyn_args = (), tuple(args)
+    if kwargs:
+        kw_static = tuple(sorted((k, v) for k, v in kwargs.items() if k in static_names))
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
+    else:
+        kw_static, dyn_kwargs = (), {}
+    return (statics, kw_static), dyn_args, dyn_kwargs
+
+
+def _input_specs(in_shardings: Any, gdef: GraphDef, leaves: list, n_args: int, statics: tuple) -> list:
+    """One sharding (or None) per unique input leaf, from the per-argument ``in_shardings``."""
+    spec: Any = in_shardings
+    if isinstance(in_shardings, (tuple, list)) and not isinstance(in_shardings, PartitionSpec):
+        static_at = {i for i, _ in statics}
+        dynamic = [i for i in range(n_args) if i not in static_at]
+        if len(in_shardings) != len(dynamic):
+            raise ValueError(
+                f"tied.jit: in_shardings has {len(in_shardings)} entries but the call has "
+                f"{len(dynamic)} positional arguments that are not static. Give one entry per "
+                "such argument (None: no preference), or one sharding for all of them."
+            )
+        per_arg: list = [None] * n_args
+        for i, s in zip(dynamic, in_shardings):
+            per_arg[i] = s
+        spec = (tuple(per_arg), None)
+    try:
+        return leaf_shardings(
+            gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=_place_name
+        )
+    except GraphError as e:
+        raise GraphError(_argument_path(str(e))) from None
+
+
+def _constrain_outputs(out_shardings: Any, out_gdef: GraphDef, out_leaves: list) -> list:
+    specs = leaf_shardings(
+        out_gdef,
+        out_shardings,
+        [x.ndim for x in out_leaves],
+        label="tied.jit out_shardings",
+        name=lambda p: "output" + p,
+    )
+    return [x if s is None else jax.lax.with_sharding_constraint(x, s) for x, s in zip(out_leaves, specs)]
 
 
 def jit(
@@ -122,7 +505,7 @@ def jit(
     in_shardings: Any = None,
     out_shardings: Any = None,
     **jax_jit_kwargs: Any,
-) -> Callable:
+) -> Jitted:
     """Like `jax.jit`, with all arguments one DAG and all outputs one DAG.
 
     An array shared between places (within one argument or across several) is one
@@ -132,6 +515,15 @@ def jit(
     an array also held by an argument that is not donated is not donated). A
     second call with the same structure, sharing and static fields does not
     retrace; a changed sharing pattern does.
+
+    ``f`` behaves as if run eagerly, mutations included: every new value it puts
+    at an existing place of its arguments (a `tied.State` written, a parameter
+    replaced, as `tied.optim.update_inplace` does) is written into your own
+    objects after the call, once per unique object, under `tied.live_lock`. A
+    change of structure that cannot leave a compiled function (a tie cut, an
+    attribute added, a static changed) is a `GraphError` naming the path, with
+    your objects untouched. A donated argument that ``f`` does not hand back as
+    an updated copy stays usable: its arrays come back aliased (no copy).
 
     Args:
         fun: the function to compile; arguments and outputs may be any object
@@ -164,7 +556,7 @@ def jit(
         **jax_jit_kwargs: passed to `jax.jit` (e.g. ``inline``, ``keep_unused``).
 
     Returns:
-        The compiled function.
+        The compiled function (``.lower(*args)`` gives JAX's ``Lowered``).
 
     Examples:
         >>> import jax, jax.numpy as jnp, tied
@@ -183,175 +575,49 @@ def jit(
         >>> same = tied.jit(lambda m: m)(model)
         >>> same.layers[0].weight is same.layers[1].weight
         True
+
+        State written inside reaches your objects, as if run eagerly:
+
+        >>> calls = tied.State(jnp.zeros((), jnp.int32))
+        >>> @tied.jit
+        ... def count(c):
+        ...     c.value = c.value + 1
+        >>> count(calls); count(calls)
+        >>> int(calls.value)
+        2
     """
-    static_nums = _normalise(static_argnums)
-    static_names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
-    donate_nums = _normalise(donate_argnums)
-    donate_names = (donate_argnames,) if isinstance(donate_argnames, str) else tuple(donate_argnames)
-    try:
-        params = list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    # Keep jax.jit's convention: a static or donated argument may be named by position or name.
-    static_nums += tuple(positional.index(n) for n in static_names if n in positional)
-    donate_nums += tuple(positional.index(n) for n in donate_names if n in positional)
-    static_names += tuple(positional[i] for i in static_nums if 0 <= i < len(positional))
-    donate_names += tuple(positional[i] for i in donate_nums if 0 <= i < len(positional))
-    static_nums, static_names = frozenset(static_nums), frozenset(static_names)
-    donate_nums, donate_names = frozenset(donate_nums), frozenset(donate_names)
-    cache: dict = {}
-    plans = plan_cache()
-    lock = threading.Lock()
+    return Jitted(
+        fun,
+        dict(
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            jax_jit_kwargs=jax_jit_kwargs,
+        ),
+    )
 
-    def split(args: tuple, kwargs: dict):
-        n = len(args)
-        if static_nums:
-            statics = tuple(
-                (i, args[i]) for i in range(n) if i in static_nums or i - n in static_nums
-            )
-            dyn_args = tuple(
-                _STATIC if (i in static_nums or i - n in static_nums) else a
-                for i, a in enumerate(args)
-            )
-        else:
-            statics, dyn_args = (), args
-        if kwargs:
-            kw_static = tuple(sorted((k, v) for k, v in kwargs.items() if k in static_names))
-            dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
-        else:
-            kw_static, dyn_kwargs = (), kwargs
-        return (statics, kw_static), dyn_args, dyn_kwargs
 
-    def donation(gdef: GraphDef, n_args: int, kw_names: tuple) -> tuple[tuple, tuple]:
-        """Which unique leaves are donated: those held only by donated arguments."""
-        if not (donate_nums or donate_names):
-            return (), tuple(range(gdef.num_leaves))
-        donated, kept = set(), set()
-        for q, paths in enumerate(gdef.leaf_paths()):
-            for path in paths:
-                a = _argument_of(path)
-                donated_place = (a is not None and (a in donate_nums or a - n_args in donate_nums)) or (
-                    _keyword_of(path) in donate_names
-                )
-                (donated if donated_place else kept).add(q)
-        donated -= kept  # an array also held by a kept argument is never donated
-        return tuple(sorted(donated)), tuple(q for q in range(gdef.num_leaves) if q not in donated)
+def block_until_ready(tree: Any) -> Any:
+    """Wait until every array of an object graph is computed; returns ``tree``.
 
-    def compile_for(key, gdef: GraphDef, leaves: list, n_args: int, kw_names: tuple) -> _Compiled:
-        entry = _Compiled()
-        entry.donated, entry.kept = donation(gdef, n_args, kw_names)
-        (statics, kw_static) = key[1]
-        entry.in_specs = None
-        shardings = {}
-        if in_shardings is not None:
-            specs = entry.in_specs = input_specs(gdef, leaves, n_args, statics)
-            shardings["in_shardings"] = (
-                [specs[q] for q in entry.donated] if entry.donated else (),
-                [specs[q] for q in entry.kept],
-            )
-        order = entry.donated + entry.kept
-        inverse = [0] * len(order)
-        for pos, q in enumerate(order):
-            inverse[q] = pos
+    ``jax.block_until_ready`` walks its argument as a pytree, which a tied node
+    refuses (walking it leaf by leaf would cut its ties); this reads each unique
+    array once.
 
-        def flat_fun(donated_leaves, kept_leaves):
-            both = list(donated_leaves) + list(kept_leaves)
-            leaves = [both[p] for p in inverse]
-            dyn_args, dyn_kwargs = _unflatten(gdef, leaves)
-            args = list(dyn_args)
-            for i, v in statics:
-                args[i] = v
-            out = fun(*args, **dyn_kwargs, **dict(kw_static))
-            out_leaves, out_gdef = flatten(out)
-            if out_shardings is not None:
-                out_leaves = constrain_outputs(out_gdef, out_leaves)
-            # The output's structure, and which of its arrays are tied's own total gradients,
-            # travel back through JAX as static auxiliary data.
-            return _Output(out_leaves, out_gdef, tuple(map(is_total, out_leaves)))
-
-        entry.fn = jax.jit(
-            flat_fun, donate_argnums=(0,) if entry.donated else (), **shardings, **jax_jit_kwargs
-        )
-        return entry
-
-    def input_specs(gdef: GraphDef, leaves: list, n_args: int, statics: tuple) -> list:
-        """One sharding (or None) per unique input leaf, from the per-argument ``in_shardings``."""
-        spec: Any = in_shardings
-        if isinstance(in_shardings, (tuple, list)) and not isinstance(in_shardings, PartitionSpec):
-            static_at = {i for i, _ in statics}
-            dynamic = [i for i in range(n_args) if i not in static_at]
-            if len(in_shardings) != len(dynamic):
-                raise ValueError(
-                    f"tied.jit: in_shardings has {len(in_shardings)} entries but the call has "
-                    f"{len(dynamic)} positional arguments that are not static. Give one entry per "
-                    "such argument (None: no preference), or one sharding for all of them."
-                )
-            per_arg: list = [None] * n_args
-            for i, s in zip(dynamic, in_shardings):
-                per_arg[i] = s
-            spec = (tuple(per_arg), None)
-        try:
-            return leaf_shardings(
-                gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=_place_name
-            )
-        except GraphError as e:
-            raise GraphError(_argument_path(str(e))) from None
-
-    def constrain_outputs(out_gdef: GraphDef, out_leaves: list) -> list:
-        specs = leaf_shardings(
-            out_gdef,
-            out_shardings,
-            [x.ndim for x in out_leaves],
-            label="tied.jit out_shardings",
-            name=lambda p: "output" + p,
-        )
-        return [
-            x if s is None else jax.lax.with_sharding_constraint(x, s)
-            for x, s in zip(out_leaves, specs)
-        ]
-
-    @functools.wraps(fun)
-    def wrapped(*args, **kwargs):
-        static_key, dyn_args, dyn_kwargs = split(args, kwargs)
-        leaves, gdef = flatten_with((dyn_args, dyn_kwargs), plans)
-        key = (gdef, static_key)
-        try:
-            entry = cache.get(key)
-        except GraphError as e:  # an unhashable static field: say which argument holds it
-            raise GraphError(_argument_path(str(e))) from None
-        except TypeError:
-            raise TypeError(
-                "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
-                "pass a hashable value (a tuple instead of a list), or make it a traced argument."
-            ) from None
-        if entry is None:
-            with lock:
-                entry = cache.get(key)
-                if entry is None:
-                    entry = cache[key] = compile_for(key, gdef, leaves, len(args), tuple(dyn_kwargs))
-        try:
-            if entry.donated:
-                out = entry.fn([leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept])
-            else:
-                out = entry.fn((), leaves)
-        except ValueError as e:
-            if entry.in_specs is None or "does not match the sharding" not in str(e):
-                raise
-            better = _placement_error(gdef, leaves, entry.in_specs)
-            if better is None:
-                raise
-            raise better from e
-        if any(out.totals):  # the output holds tied's own total gradients: keep them known
-            for x, total in zip(out.leaves, out.totals):
-                if total:
-                    mark_total(x)
-        return _unflatten(out.graphdef, out.leaves)
-
-    wrapped._cache = cache  # for tests and introspection
-    return wrapped
+    Examples:
+        >>> import jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> model = tied.block_until_ready(Chain(d, d))
+        >>> model.layers[0] is model.layers[1]
+        True
+    """
+    leaves, _ = flatten(tree)
+    jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
+    return tree
 
 
 def _argument_path(message: str) -> str:
@@ -360,8 +626,8 @@ def _argument_path(message: str) -> str:
     if m is None:
         return message
     if m.group(1) is not None:
-        return f"argument {m.group(1)}: " + message[m.end():]
-    return "keyword argument " + message[m.end() - 1:]
+        return f"argument {m.group(1)}: " + message[m.end() :]
+    return "keyword argument " + message[m.end() - 1 :]
 
 
 def _place_name(path: str) -> str:
@@ -387,28 +653,6 @@ def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | 
             f"place the inputs first, tied.device_put(tree, in_sharding), or change in_shardings."
         )
     return None
-
-
-def _argument_of(path: str) -> int | None:
-    """The positional argument a path of ``(args, kwargs)`` lies in."""
-    if not path.startswith("[0]["):
-        return None
-    end = path.index("]", 4)
-    return int(path[4:end])
-
-
-def _keyword_of(path: str) -> str | None:
-    """The keyword argument a path of ``(args, kwargs)`` lies in."""
-    if not path.startswith("[1]["):
-        return None
-    import ast
-
-    end = path.index("]", 4)
-    while True:  # a key's repr may hold "]": take the shortest prefix that parses
-        try:
-            return ast.literal_eval(path[4:end])
-        except (SyntaxError, ValueError):
-            end = path.index("]", end + 1)
 
 
 class _StaticMarker:
