@@ -428,8 +428,8 @@ def test_plain_jax_grad_aliased_cotangent_is_summed_or_refused_never_counted_onc
     untied = jax.grad(loss)({"a": jnp.array(w), "b": jnp.array(w)})  # the reference
     total = untied["a"] + untied["b"]
     with pytest.raises(ValueError, match=r"^\['a'\]: the gradient holds one array object at 2 places of "
-                       r"this tied parameter.*Pass convention='partials' for plain jax.grad output, or "
-                       r"convention='total'"):
+                       r"this tied parameter.*convention='partials' if each place got its own use's "
+                       r"gradient.*convention='total' if the one object already is the whole gradient"):
         tied.accumulate(m, g)
     acc = tied.accumulate(m, g, convention="partials")
     assert acc["a"] is acc["b"]
@@ -499,9 +499,29 @@ def test_tied_grad_through_jit_is_right_or_refused():
     graph = jax.jit(lambda G: tied.Graph(tied.grad(loss)(G.value)))(tied.Graph(m))
     g = graph.value
     assert g["a"] is g["b"]
-    with pytest.raises(ValueError, match="convention='total'"):
-        tied.accumulate(m, g)
+    # one array per tie through a Graph: a total, known as one (issue 20, point 1)
+    np.testing.assert_allclose(tied.accumulate(m, g)["a"], total)
     np.testing.assert_allclose(tied.accumulate(m, g, convention="total")["a"], total)
+    # but plain jax.grad's aliased partials wrapped into a Graph inside jit are not: refused
+    wrapped = jax.jit(lambda G: tied.Graph(jax.grad(lambda m: jnp.sum(m["a"] + m["b"]))(G.value)))
+    p = wrapped(tied.Graph(m)).value
+    with pytest.raises(ValueError, match="convention='partials'"):
+        tied.accumulate(m, p)
+
+
+def test_jax_grad_through_graph_updates_without_a_convention_like_optax_by_hand():
+    """Issue 20, point 1: the refusal's old advice (partials) doubled this gradient."""
+    w = jnp.array([0.5, -1.0])
+    m = {"a": w, "b": w}
+    loss = lambda m: jnp.sum(m["a"] * m["b"] + jnp.sin(m["b"]))
+    g = jax.grad(lambda G: loss(G.value))(tied.Graph(m)).value
+    state = tied.optim.setup(optax.adam(0.1), m)
+    new, state = tied.optim.update(state, m, g)
+    tx = optax.adam(0.1)
+    ref_g = 2 * w + jnp.cos(w)
+    upd, _ = tx.update(ref_g, tx.init(w))
+    assert new["a"] is new["b"]
+    np.testing.assert_allclose(new["a"], w + upd, rtol=1e-6)
 
 
 def test_totals_made_in_many_threads_are_each_recognised():

@@ -423,3 +423,16 @@ def test_implicit_gradient_writes_state_back_concretely_and_restores_it_on_failu
         tied.gradient(failing, tied.params(model))
     assert not any(isinstance(x, jax.core.Tracer) for x in tied.flatten(model)[0])
     np.testing.assert_array_equal(norm.mean.value, before)
+
+
+def test_a_loss_that_changes_the_models_structure_is_refused_naming_the_place():
+    model = {"w": jnp.ones(2), "s": tied.State(jnp.zeros(()))}
+
+    def lossf(m):
+        m["s"].value = m["s"].value + 1
+        m["extra"] = m["w"] * 2
+        return m["w"].sum()
+
+    with pytest.raises(tied.GraphError, match=r"^\['extra'\]: a place was added.*tied.grad: the loss changed"):
+        tied.grad(lossf)(model)
+    assert set(model) == {"w", "s"} and float(model["s"].value) == 0.0

@@ -14,6 +14,7 @@ import numpy as np
 
 from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
 from ._live import lock, slots, write
+from ._writeback import first_difference
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -271,8 +272,9 @@ def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leave
     """``(input index, new value)`` for each array the loss put at an existing place of its
     model; a change of structure is an error (it cannot be carried out of the gradient)."""
     if after != before:
+        where = first_difference(before, after, lambda p: p or "<root>")
         raise GraphError(
-            "tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
+            f"{where}. tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
             "attribute added or removed, a static changed), which cannot be carried out of the "
             "gradient computation; nothing was written into your objects. Change the model "
             "outside the loss, or write new values only into existing places (a tied.State's .value)."

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec
 
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
-from ._live import lock, slots, write
 from ._sharding import _describe, _same_layout, leaf_shardings
+from ._writeback import arguments, donation, is_donated, place_name, returns_copy, structure_error, write_back
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -64,11 +64,18 @@ class Graph:
         True
     """
 
-    __slots__ = ("leaves", "graphdef", "_value")
+    __slots__ = ("leaves", "graphdef", "_value", "_trusted", "_made")
 
     def __init__(self, value: Any):
         self.leaves, self.graphdef = flatten(value)
         self._value = _MISSING  # a snapshot: never the object passed in, which may change
+        self._made = True
+        # A Graph made inside a transform from computed values whose ties are not tied's own
+        # totals (plain jax.grad's aliased partials, say) must not pass them off as totals.
+        self._trusted = not any(
+            isinstance(x, jax.core.Tracer) and len(paths) > 1 and not is_total(x)
+            for x, paths in zip(self.leaves, self.graphdef.leaf_paths())
+        )
 
     @property
     def value(self) -> Any:
@@ -78,26 +85,47 @@ class Graph:
         v = self._value
         if v is _MISSING:
             v = self._value = _unflatten(self.graphdef, self.leaves)
-            # One array per tie by construction: a gradient that came back through a Graph
-            # (jax.grad of a function of it) is a total at every place, and is known as one.
-            for x in self.leaves:
-                if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-                    mark_total(x)
+            if not self._made and self._trusted:
+                # Rebuilt by JAX from one array per tie: a gradient that came back through a
+                # Graph (jax.grad of a function of it) is a total at every place, known as one.
+                for x in self.leaves:
+                    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+                        mark_total(x)
         return v
 
     def tree_flatten(self):
-        return self.leaves, self.graphdef
+        return self.leaves, _GraphAux(self.graphdef, self._trusted)
 
     @classmethod
-    def tree_unflatten(cls, graphdef: GraphDef, leaves) -> Graph:
+    def tree_unflatten(cls, aux: _GraphAux, leaves) -> Graph:
         g = object.__new__(cls)
         g.leaves = list(leaves)
-        g.graphdef = graphdef
+        g.graphdef, g._trusted = aux.graphdef, aux.trusted
         g._value = _MISSING
+        g._made = False
         return g
 
     def __repr__(self) -> str:
         return f"Graph({self.graphdef.num_leaves} unique arrays, {self.graphdef.num_nodes} nodes)"
+
+
+class _GraphAux:
+    """A Graph's static data: its GraphDef (what JAX compares: two Graphs of one structure
+    are one JAX type) and whether its arrays may be read as totals when JAX rebuilds it."""
+
+    __slots__ = ("graphdef", "trusted")
+
+    def __init__(self, graphdef: GraphDef, trusted: bool):
+        self.graphdef, self.trusted = graphdef, trusted
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _GraphAux and other.graphdef == self.graphdef
+
+    def __hash__(self) -> int:
+        return hash(self.graphdef)
+
+    def __repr__(self) -> str:
+        return repr(self.graphdef)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -148,110 +176,6 @@ class _Written:
         return hash(self.indices)
 
 
-def _arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
-    """For each unique leaf of ``(args, kwargs)``, the arguments (an int position or a str
-    keyword) holding it at any place, below shared nodes too. The root is the pair, so the
-    places at depth 2 are the arguments themselves, in order (kwargs in the dict's order)."""
-    owners: list[set] = [set() for _ in range(gdef.num_leaves)]
-    names = [None, list(range(n_args)), sorted(kw_order)]
-    side = arg = None
-    count = [0, 0, 0]
-    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
-        if place.depth == 1:
-            side = 1 if count[0] == 0 else 2
-            count[0] += 1
-            continue
-        if place.depth == 2:
-            arg = names[side][count[side]]
-            count[side] += 1
-        if place.depth >= 2 and place.kind == "array":
-            owners[place.index].add(arg)
-    return owners
-
-
-def _is_donated(a: Any, n_args: int, nums: frozenset, names: frozenset) -> bool:
-    if isinstance(a, int):
-        return a in nums or a - n_args in nums
-    return a in names
-
-
-def _donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, names: frozenset):
-    """Which unique leaves are donated: those held only by donated arguments (every place
-    counts, below shared nodes too)."""
-    if not (nums or names):
-        return (), tuple(range(gdef.num_leaves))
-
-    owners = _arguments(gdef, n_args, kw_order)
-    donated = tuple(
-        q for q, own in enumerate(owners) if own and all(_is_donated(a, n_args, nums, names) for a in own)
-    )
-    gone = set(donated)
-    return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
-
-
-def _first_difference(before: GraphDef, after: GraphDef) -> str:
-    """The path where two structures first differ, and how (for a write-back refusal)."""
-    a = list(before.walk_places())
-    b = list(after.walk_places())
-    for p, q in zip(a, b):
-        if p.path != q.path:
-            return f"{_place_name(min(p.path, q.path))}: a place was added or removed there"
-        if p.kind != q.kind or p.type is not q.type:
-            return f"{_place_name(p.path)}: a {p.kind} became a {q.kind}"
-        if p.first != q.first or p.index != q.index:
-            return f"{_place_name(p.path)}: the sharing changed there (a tie was cut or made)"
-        if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
-            return f"{_place_name(p.path)}: a static value changed"
-    if len(a) != len(b):
-        longer = a if len(a) > len(b) else b
-        return f"{_place_name(longer[min(len(a), len(b))].path)}: a place was added or removed there"
-    return "<root>: the structure changed"
-
-
-def _structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
-    return GraphError(
-        f"{_first_difference(before, after)}. {where} changed the structure of an argument "
-        "(a tie cut, an attribute added or removed, a static changed), which cannot be "
-        "carried out of a compiled function; nothing was written into your objects. Build "
-        "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
-        "return new graphs) and rebind it, or make the change outside the compiled function."
-    )
-
-
-def _returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
-    """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
-    two levels down): a donated argument's updated copy, which the caller rebinds."""
-    target = flatten(arg)[1]
-    if out_gdef == target:
-        return True
-    level = [out]
-    for _ in range(2):
-        nxt = []
-        for x in level:
-            if isinstance(x, (tuple, list)):
-                nxt.extend(x)
-            elif isinstance(x, dict):
-                nxt.extend(x.values())
-        for x in nxt:
-            if isinstance(x, (list, tuple, dict)) or hasattr(x, "__dict__") or hasattr(x, "__slots__"):
-                try:
-                    if flatten(x)[1] == target:
-                        return True
-                except GraphError:
-                    pass
-        level = nxt
-    return False
-
-
-def _write_back(root: Any, gdef: GraphDef, written: tuple, values: list, action: str) -> None:
-    """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
-    one write per unique container, under `tied.live_lock`. Every place is found (and checked
-    writable) before anything is written."""
-    with lock:
-        at = slots(root, gdef, written, action=action, frozen_ok=True)
-        write(at, values)
-
-
 def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse):
     """The function `jax.jit` traces for one input structure: rebuild the arguments, run
     ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
@@ -272,17 +196,17 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         # What fun wrote into its arguments: the same structure, new objects at some places.
         after_leaves, after = flatten(root)
         if after != gdef:
-            raise _structure_error(gdef, after, "tied.jit: the function")
+            raise structure_error(gdef, after, "tied.jit: the function")
         written = [q for q, (a, b) in enumerate(zip(leaves, after_leaves)) if a is not b]
         n_donated = len(donated_leaves)
         if n_donated:
             # A donated argument that is not handed back as an updated copy stays usable:
             # its donated arrays come back (aliased, no copy) and are written back too.
-            owners = _arguments(gdef, len(dyn_args), tuple(dyn_kwargs))
+            owners = arguments(gdef, len(dyn_args), tuple(dyn_kwargs))
             given_up = set()
             for a in set().union(*owners):
                 arg = dyn_args[a] if isinstance(a, int) else dyn_kwargs[a]
-                if _is_donated(a, len(dyn_args), donate_nums, donate_names) and _returns_copy(
+                if is_donated(a, len(dyn_args), donate_nums, donate_names) and returns_copy(
                     out_gdef, out, arg
                 ):
                     given_up.add(a)
@@ -396,7 +320,7 @@ class Jitted:
         n_out = len(out.leaves) - len(written)
         out_leaves = out.leaves[:n_out]
         if written:
-            _write_back(root, gdef, written, out.leaves[n_out:], "tied.jit")
+            write_back(root, gdef, written, out.leaves[n_out:], "tied.jit")
         if any(out.totals):  # the output holds tied's own total gradients: keep them known
             for x, total in zip(out_leaves, out.totals):
                 if total:
@@ -412,7 +336,7 @@ class Jitted:
     # ------------------------------------------------ compiling
     def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple) -> _Compiled:
         entry = _Compiled()
-        entry.donated, entry.kept = _donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
+        entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         statics, kw_static = key[1]
         entry.in_specs = None
         shardings = {}
@@ -478,7 +402,7 @@ def _input_specs(in_shardings: Any, gdef: GraphDef, leaves: list, n_args: int, s
         spec = (tuple(per_arg), None)
     try:
         return leaf_shardings(
-            gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=_place_name
+            gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=place_name
         )
     except GraphError as e:
         raise GraphError(_argument_path(str(e))) from None
@@ -630,15 +554,6 @@ def _argument_path(message: str) -> str:
     return "keyword argument " + message[m.end() - 1 :]
 
 
-def _place_name(path: str) -> str:
-    """A path of ``(args, kwargs)`` written as ``args[0].embed.weight`` or ``kwargs['x']``."""
-    if path.startswith("[0]"):
-        return "args" + path[3:]
-    if path.startswith("[1]"):
-        return "kwargs" + path[3:]
-    return path or "<root>"
-
-
 def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | None:
     """Which committed input is placed otherwise than ``in_shardings`` asks, by path."""
     for i, (x, s) in enumerate(zip(leaves, specs)):
@@ -646,7 +561,7 @@ def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | 
             continue
         if isinstance(s, PartitionSpec) or _same_layout(x.sharding, s, x.ndim):
             continue
-        where = _place_name(gdef.leaf_paths()[i][0])
+        where = place_name(gdef.leaf_paths()[i][0])
         return ValueError(
             f"tied.jit in_shardings: the input at {where} is already placed as {_describe(x.sharding)}, "
             f"but in_shardings asks for {_describe(s)}. JAX does not move a committed array implicitly: "

@@ -1,0 +1,130 @@
+"""What a call does to the objects it was given: donation, and writing new values back.
+
+`tied.jit` (and `tied.grad` for its loss) runs a function on a rebuilt copy of its
+arguments; afterwards the copy is compared with what was given. New values at
+existing places are written into the caller's own objects (through `_live`); a
+change of structure is refused by path; a donated argument that is not handed
+back stays usable. Core layer: it reads GraphDefs by name only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._graph import GraphDef, GraphError, flatten
+from ._live import lock, slots, write
+
+
+def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
+    """For each unique leaf of ``(args, kwargs)``, the arguments (an int position or a str
+    keyword) holding it at any place, below shared nodes too. The root is the pair, so the
+    places at depth 2 are the arguments themselves, in order (kwargs in the dict's order)."""
+    owners: list[set] = [set() for _ in range(gdef.num_leaves)]
+    names = [None, list(range(n_args)), sorted(kw_order)]
+    side = arg = None
+    count = [0, 0, 0]
+    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        if place.depth == 1:
+            side = 1 if count[0] == 0 else 2
+            count[0] += 1
+            continue
+        if place.depth == 2:
+            arg = names[side][count[side]]
+            count[side] += 1
+        if place.depth >= 2 and place.kind == "array":
+            owners[place.index].add(arg)
+    return owners
+
+
+def is_donated(a: Any, n_args: int, nums: frozenset, names: frozenset) -> bool:
+    if isinstance(a, int):
+        return a in nums or a - n_args in nums
+    return a in names
+
+
+def donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, names: frozenset):
+    """Which unique leaves are donated: those held only by donated arguments (every place
+    counts, below shared nodes too)."""
+    if not (nums or names):
+        return (), tuple(range(gdef.num_leaves))
+
+    owners = arguments(gdef, n_args, kw_order)
+    donated = tuple(
+        q for q, own in enumerate(owners) if own and all(is_donated(a, n_args, nums, names) for a in own)
+    )
+    gone = set(donated)
+    return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
+
+
+def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str:
+    """The path where two structures first differ, and how (for a write-back refusal); ``name``
+    renders a path (default: as an argument of a call)."""
+    name = name or place_name
+    a = list(before.walk_places())
+    b = list(after.walk_places())
+    for p, q in zip(a, b):
+        if p.path != q.path:
+            return f"{name(min(p.path, q.path))}: a place was added or removed there"
+        if p.kind != q.kind or p.type is not q.type:
+            return f"{name(p.path)}: a {p.kind} became a {q.kind}"
+        if p.first != q.first or p.index != q.index:
+            return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
+        if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
+            return f"{name(p.path)}: a static value changed"
+    if len(a) != len(b):
+        longer = a if len(a) > len(b) else b
+        return f"{name(longer[min(len(a), len(b))].path)}: a place was added or removed there"
+    return "<root>: the structure changed"
+
+
+def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
+    return GraphError(
+        f"{first_difference(before, after)}. {where} changed the structure of an argument "
+        "(a tie cut, an attribute added or removed, a static changed), which cannot be "
+        "carried out of a compiled function; nothing was written into your objects. Build "
+        "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
+        "return new graphs) and rebind it, or make the change outside the compiled function."
+    )
+
+
+def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
+    """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
+    two levels down): a donated argument's updated copy, which the caller rebinds."""
+    target = flatten(arg)[1]
+    if out_gdef == target:
+        return True
+    level = [out]
+    for _ in range(2):
+        nxt = []
+        for x in level:
+            if isinstance(x, (tuple, list)):
+                nxt.extend(x)
+            elif isinstance(x, dict):
+                nxt.extend(x.values())
+        for x in nxt:
+            if isinstance(x, (list, tuple, dict)) or hasattr(x, "__dict__") or hasattr(x, "__slots__"):
+                try:
+                    if flatten(x)[1] == target:
+                        return True
+                except GraphError:
+                    pass
+        level = nxt
+    return False
+
+
+def write_back(root: Any, gdef: GraphDef, written: tuple, values: list, action: str) -> None:
+    """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
+    one write per unique container, under `tied.live_lock`. Every place is found (and checked
+    writable) before anything is written."""
+    with lock:
+        at = slots(root, gdef, written, action=action, frozen_ok=True)
+        write(at, values)
+
+
+def place_name(path: str) -> str:
+    """A path of ``(args, kwargs)`` written as ``args[0].embed.weight`` or ``kwargs['x']``."""
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    if path.startswith("[1]"):
+        return "kwargs" + path[3:]
+    return path or "<root>"
