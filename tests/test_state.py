@@ -261,7 +261,8 @@ def test_rng_shared_by_two_users_is_one_stream_across_calls():
     for call in range(5):
         ka, kb = draw(model)
         for k, i in ((ka, 2 * call), (kb, 2 * call + 1)):
-            np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(jax.random.fold_in(key, i)))
+            ref = jax.random.fold_in(key, i)
+            np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(ref))
     assert len(traces) == 1 and int(rng.count.value) == 10
 
 
@@ -340,7 +341,8 @@ def test_block_until_ready_reads_a_tied_model():
 def programs(draw):
     n_cells = draw(st.integers(1, 4))
     places = draw(st.lists(st.integers(0, n_cells - 1), min_size=n_cells, max_size=8))
-    writes = draw(st.lists(st.tuples(st.integers(0, len(places) - 1), st.floats(-2, 2, width=32)), max_size=6))
+    write = st.tuples(st.integers(0, len(places) - 1), st.floats(-2, 2, width=32))
+    writes = draw(st.lists(write, max_size=6))
     order = draw(st.permutations(range(len(places))))
     return n_cells, places, writes, order
 
@@ -433,6 +435,7 @@ def test_a_loss_that_changes_the_models_structure_is_refused_naming_the_place():
         m["extra"] = m["w"] * 2
         return m["w"].sum()
 
-    with pytest.raises(tied.GraphError, match=r"^\['extra'\]: a place was added.*tied.grad: the loss changed"):
+    message = r"^\['extra'\]: a place was added.*tied.grad: the loss changed"
+    with pytest.raises(tied.GraphError, match=message):
         tied.grad(lossf)(model)
     assert set(model) == {"w", "s"} and float(model["s"].value) == 0.0
