@@ -19,13 +19,14 @@ unpickled, and nothing the checkpoint names is imported, looked up or called.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from . import _manifest, _safetensors
-from ._manifest import CheckpointError
+from ._graph import flatten
+from ._manifest import CheckpointError, keystr
 
 __all__ = ["CheckpointError", "save", "load", "load_metadata"]
 
@@ -60,7 +61,9 @@ def save(
         path: the file (by convention ending in ``.safetensors``) or, for Orbax, the directory.
         tree: the object graph; for safetensors its arrays may have any dtype
             safetensors knows (bool, (u)int8..64, float16, bfloat16, float32,
-            float64, complex64, float8); big-endian numpy arrays are stored little-endian.
+            float64, complex64, float8); big-endian numpy arrays are stored little-endian;
+            typed keys (``jax.random.key``) as their key data, loaded back as typed keys;
+            state (below a `tied.State`) is stored and marked as state.
         metadata: JSON-serialisable values under string keys (a step number, a
             config), read back with `tied.load_metadata`.
         format: ``"safetensors"`` or ``"orbax"``.
@@ -68,7 +71,8 @@ def save(
     Raises:
         CheckpointError: an array the format cannot hold (a dtype, an array this
             process cannot fully read), or metadata that is not JSON; the message
-            names the path. Nothing is written then.
+            names the path; two places written alike with the same keys (two
+            ``float("nan")`` dict keys). Nothing is written then.
 
     Examples:
         >>> import os, tempfile, jax, tied
@@ -159,7 +163,8 @@ def load(
     `tied.save`: its places, sharing, views, dtypes and shapes must be
     ``like``'s. With ``strict=False`` any safetensors file is read by its keys
     (a file from ``safetensors.numpy.save_file``, a Hugging Face checkpoint):
-    a key names a place of ``like`` by its keystr path (after ``rename``), each
+    a key names a place of ``like`` by its keystr path (after ``rename``; any
+    place, below a shared layer too), each
     unique array of ``like`` is read from any one of its places the file holds
     (a tied embedding stored once fills both places), and the ties are
     ``like``'s. Keys at two places of one array must hold equal values.
@@ -233,12 +238,14 @@ def load(
         if header.doc is None:
             raise _plain_file(path)
         m = _manifest.match(header.doc, like, path)
+        _check_shardings(m, path)
         names = [e["name"] for e in m.entries]
         algo = _safetensors.checksum_of(header.doc)
         arrays = _safetensors.read(path, header, names, [e[algo] for e in m.entries], algo)
     else:
         keys = {k: (t.dtype.name, t.shape) for k, t in header.tensors.items()}
-        m = _manifest.match_keys(keys, like, path, rename=rename, allow_extra=allow_extra)
+        m = match_keys(keys, like, path, rename=rename, allow_extra=allow_extra)
+        _check_shardings(m, path)
         arrays = _read_by_keys(path, header, m)
     return _manifest.build(m, [_own(x, leaf) for x, leaf in zip(arrays, m.like)])
 
@@ -259,7 +266,7 @@ def _read_by_keys(path: str, header: Any, m: _manifest.Match) -> list:
             if first.tobytes() != got[other].tobytes():
                 raise CheckpointError(
                     f"{path}: the keys {e['keys'][0]!r} and {other!r} hold different values, but in like "
-                    f"they are places of one array ({', '.join(_manifest.keystr(p) for p in ps)}). Give "
+                    f"they are places of one array ({', '.join(keystr(p) for p in ps)}). Give "
                     "like separate arrays there, or drop one key with rename=... (returning None) and "
                     "allow_extra=True."
                 )
@@ -267,6 +274,146 @@ def _read_by_keys(path: str, header: Any, m: _manifest.Match) -> list:
     return out
 
 
+def _check_shardings(m: _manifest.Match, path: str) -> None:
+    """Every array of ``like`` that loads onto a sharding must be divisible by it (checked before a
+    byte is read, so that the error names the place)."""
+    for leaf, ps in zip(m.like, m.paths):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not (_manifest.is_abstract(leaf) or getattr(leaf, "committed", False)):
+            continue
+        try:
+            sharding.shard_shape(tuple(leaf.shape))
+        except Exception as e:
+            raise CheckpointError(
+                f"{path}: the array at {keystr(ps[0])} has shape {tuple(leaf.shape)}, which "
+                f"like's sharding {sharding} cannot split evenly ({type(e).__name__}: {e}). Give like a "
+                "sharding whose mesh axes divide each dimension they split (or replicate that array)."
+            ) from None
+
+
 def _own(x: np.ndarray, leaf: Any) -> Any:
     """A host array read from the file (its own buffer, native byte order) put where ``like``'s leaf lives."""
     return _manifest.place_like(x, leaf)
+
+
+def match_keys(
+    keys: Mapping[str, tuple[str, Sequence[int]]],
+    like: Any,
+    where: str,
+    *,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    allow_extra: bool = False,
+) -> _manifest.Match:
+    """Pair each unique array of ``like`` with a key of a plain file (no tie metadata).
+
+    A file key names a place of ``like`` by its keystr path (after ``rename``:
+    a mapping from file key to path, keys it lacks kept as they are, or a
+    function). Each unique array of ``like`` is read from any one of its places
+    that the file holds (a file that stores a tied weight once names one place);
+    two keys naming places of one array must hold equal shapes and dtypes.
+
+    Args:
+        keys: the file's tensors, ``{key: (numpy dtype name, shape)}``.
+        like: the object graph to load into.
+        where: the file's path, for messages.
+        rename: file key -> place of ``like``.
+        allow_extra: accept file keys that name no place of ``like`` (they are not read).
+
+    Returns:
+        A `Match` whose entries are ``{"name": first file key, "keys": every file key}``.
+
+    Raises:
+        CheckpointError: a unique array none of whose places the file holds (naming
+            those places), keys naming no place (listed) unless ``allow_extra``,
+            two keys renamed to one place, a place path ``like`` writes twice, or a
+            shape or dtype that differs.
+
+    Examples:
+        >>> import jax, tied
+        >>> from tied._checkpoint import match_keys
+        >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
+        >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}   # a tied head
+        >>> keys = {"embed.weight": ("float32", [10, 4])}               # the file stores it once
+        >>> m = match_keys(keys, like=model, where="hf.safetensors",
+        ...                rename={"embed.weight": "['embed'].weight"})
+        >>> m.entries
+        [{'name': 'embed.weight', 'keys': ['embed.weight']}]
+        >>> m.paths
+        [("['embed'].weight", "['head'].weight")]
+    """
+    leaves, gdef = flatten(like)
+    # Every array place, below shared nodes too: a file key may name any of them.
+    places: list[list[str]] = [[] for _ in leaves]
+    owner: dict[str, int] = {}
+    ambiguous: set[str] = set()
+    for p, i in gdef.place_leaves():
+        if p in owner and owner[p] != i:
+            ambiguous.add(p)
+        owner[p] = i
+        places[i].append(p)
+    paths = [tuple(dict.fromkeys(ps)) for ps in places]
+    if rename is None:
+        to_path: Callable[[str], Any] = lambda k: k
+    elif isinstance(rename, Mapping):
+        to_path = lambda k: rename.get(k, k)
+    elif callable(rename):
+        to_path = rename
+    else:
+        raise CheckpointError(
+            f"tied.load(rename=...) takes a mapping or a function from file key to path, got "
+            f"{type(rename).__name__}."
+        )
+
+    found: dict[int, list[tuple[str, str]]] = {}
+    extra: list[str] = []
+    claimed: dict[str, str] = {}
+    for key in keys:
+        try:
+            p = to_path(key)
+        except Exception as e:
+            raise CheckpointError(
+                f"{where}: rename failed on the file key {key!r} ({type(e).__name__}: {e})."
+            ) from e
+        if p is None and allow_extra:  # rename says: leave this key unread
+            continue
+        if not isinstance(p, str):
+            raise CheckpointError(
+                f"{where}: rename turned the file key {key!r} into {p!r}; it must give a keystr path "
+                "such as '.layers[0].weight'."
+            )
+        if p in claimed:
+            raise CheckpointError(
+                f"{where}: the file keys {claimed[p]!r} and {key!r} both name the place {keystr(p)}."
+            )
+        claimed[p] = key
+        if p in ambiguous:
+            raise CheckpointError(
+                f"{where}: like has two places written {keystr(p)} (an attribute whose name holds a '.' "
+                "or brackets), so a file key cannot name one of them. Rename the attribute."
+            )
+        if p not in owner:
+            extra.append(key)
+            continue
+        found.setdefault(owner[p], []).append((p, key))
+    if extra and not allow_extra:
+        shown = ", ".join(repr(k) for k in extra[:10])
+        shown += f" and {len(extra) - 10} more" if len(extra) > 10 else ""
+        raise CheckpointError(
+            f"{where}: the file holds keys that name no place of like: {shown}. Map them with rename=..., "
+            "or pass allow_extra=True to leave them unread."
+        )
+    entries = []
+    for i, (leaf, ps) in enumerate(zip(leaves, paths)):
+        hits = found.get(i)
+        if not hits:
+            raise CheckpointError(
+                f"{where}: no key of the file holds the array at {' / '.join(keystr(p) for p in ps)}. "
+                "Map the file's key to one of these places with rename=..., or give like an array "
+                "the file has."
+            )
+        hits.sort(key=lambda hit: ps.index(hit[0]))  # in like's walk order, whatever the file's
+        for p, key in hits:
+            dtype, shape = keys[key]
+            _manifest._check_leaf(where, p, leaf, shape, dtype)
+        entries.append({"name": hits[0][1], "keys": [key for _, key in hits]})
+    return _manifest.Match(gdef, leaves, entries, list(paths))

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from ._grad import Trainable, is_param, trainable_mask
 from ._graph import GraphDef, flatten
 from ._live import lock
+from ._manifest import fn_name as _fn_name
 
 __all__ = ["param_count", "summary", "print_summary", "to_dot", "render_dot"]
 
@@ -33,17 +34,20 @@ def _size(x: Any) -> int:
     return int(np.prod(x.shape, dtype=np.int64))
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _nbytes(x: Any) -> int:
+    if _is_key(x):  # a typed key: its key data's bytes
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return _size(data) * np.dtype(data.dtype).itemsize
     return _size(x) * np.dtype(x.dtype).itemsize
 
 
-def _fn_name(fn: Any) -> str:
-    """A stable name for a view function (never a repr holding a memory address)."""
-    name = getattr(fn, "__name__", None)
-    if isinstance(name, str):
-        return name
-    inner = getattr(fn, "func", None)  # functools.partial
-    return f"partial({_fn_name(inner)})" if inner is not None else type(fn).__name__
+def _dtype(x: Any) -> str:
+    """The dtype as shown: a numpy name (``float32``), or ``key<fry>`` for a typed key."""
+    return str(x.dtype) if _is_key(x) else np.dtype(x.dtype).name
 
 
 def _keystr(path: str) -> str:
@@ -58,33 +62,76 @@ def _read(tree: Any) -> tuple[list, GraphDef]:
 # ---------------------------------------------------------------- the DAG, from the one walk
 
 
+_CAP = 80  # paths longer than this are shown as "..." and their last characters
+
+
+class _Spot(NamedTuple):
+    """A place as inspection keeps it: `Place` without its full path (a deep model's paths add up
+    to the square of its depth), with the path as shown (elided past ``_CAP`` characters)."""
+
+    shown: str
+    depth: int
+    kind: str
+    index: int
+    first: bool
+    type: Any
+    value: Any
+
+
 class _Dag:
     """What `GraphDef.walk_places` says, indexed: each node's children, each object's first path.
 
     Objects are ``("array", i)``, ``("static", k)`` or ``("node", j)`` with the
     walk's indices. A node's children are recorded at its first place, in order,
-    as ``(object, key)`` where key is the child's keystr piece.
+    as ``(object, key)`` where key is the child's keystr piece. Paths are kept
+    only as shown (elided), so the memory and time taken here grow linearly with
+    the places, however deep.
     """
 
     def __init__(self, gdef: GraphDef):
-        self.places = list(gdef.walk_places())
+        self.places: list[_Spot] = []
         self.children: dict[int, list[tuple[tuple[str, int], str]]] = {}
-        self.node: dict[int, Any] = {}  # node index -> its first Place
-        self.first: dict[tuple[str, int], str] = {}
-        open_nodes: list[tuple[int, str]] = []  # (node, path) of the open nodes, by depth
-        for p in self.places:
+        self.node: dict[int, _Spot] = {}  # node index -> its first place
+        self.first: dict[tuple[str, int], str] = {}  # object -> its first place, as shown
+        # The open nodes by depth: (node, length of its path, its path as shown).
+        open_nodes: list[tuple[int, int, str]] = []
+        pieces: list[str] = []  # the keystr piece of each open node, by depth
+        for p in gdef.walk_places():
             obj = _obj(p)
             if p.depth:
                 del open_nodes[p.depth :]
-                parent, parent_path = open_nodes[p.depth - 1]
-                self.children[parent].append((obj, p.path[len(parent_path) :]))
+                del pieces[p.depth :]
+                parent, parent_len, _ = open_nodes[p.depth - 1]
+                piece = p.path[parent_len:]
+                self.children[parent].append((obj, piece))
+                shown = _elide(p.path, pieces, piece)
+            else:
+                piece, shown = p.path, _keystr(p.path)
+            spot = _Spot(shown, p.depth, p.kind, p.index, p.first, p.type, p.value)
+            self.places.append(spot)
             if p.first:
-                self.first.setdefault(obj, p.path)
+                self.first.setdefault(obj, shown)
                 if obj[0] == "node":
-                    self.node[p.index] = p
+                    self.node[p.index] = spot
                     self.children[p.index] = []
-                    open_nodes.append((p.index, p.path))
+                    open_nodes.append((p.index, len(p.path), shown))
+                    pieces.append(piece)
         self.root = _obj(self.places[0])
+
+
+def _elide(path: str, pieces: list[str], piece: str) -> str:
+    """``path`` as the table shows it: whole up to ``_CAP`` characters, else ``...`` and its last
+    pieces (read from the open nodes' pieces, so the cost does not grow with the depth)."""
+    if len(path) <= _CAP:
+        return path
+    tail = [piece]
+    n = len(piece)
+    for k in range(len(pieces) - 1, 0, -1):
+        if n + len(pieces[k]) > _CAP - 3:
+            break
+        tail.append(pieces[k])
+        n += len(pieces[k])
+    return "..." + "".join(reversed(tail)) if n <= _CAP - 3 else "..." + piece[-(_CAP - 3) :]
 
 
 def _obj(p: Any) -> tuple[str, int]:
@@ -195,6 +242,7 @@ def param_count(tree: Any, per_place: bool = False, *, trainable: Trainable | No
 class _Row:
     path: str
     type: str
+    kind: str
     shape: str
     dtype: str
     params: int
@@ -203,33 +251,37 @@ class _Row:
 
 def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
     leaves, gdef = _read(tree)
+    state, cells = gdef.state_leaves(), gdef.state_nodes()
+    param = [is_param(x) and not st for x, st in zip(leaves, state)]
     dag = _Dag(gdef)
-    tally = _Tally(dag, [(_size(x) if is_param(x) else 0, _nbytes(x)) for x in leaves])
+    tally = _Tally(dag, [(_size(x) if p else 0, _nbytes(x)) for x, p in zip(leaves, param)])
     rows: list[_Row] = []
 
-    def array_row(path: str, x: Any, note: str) -> _Row:
+    def array_row(shown: str, i: int, note: str) -> _Row:
+        x = leaves[i]
         kind = "Array" if isinstance(x, jax.Array) else type(x).__name__
-        params = _size(x) if is_param(x) else 0
-        return _Row(_keystr(path), kind, str(tuple(x.shape)), np.dtype(x.dtype).name, params, note)
+        what = "state" if state[i] else "param" if param[i] else ""
+        return _Row(shown, kind, what, str(tuple(x.shape)), _dtype(x), _size(x) if param[i] else 0, note)
 
-    def view_row(path: str, j: int) -> _Row:
+    def node_row(p: _Spot, params: int, note: str) -> _Row:
+        return _Row(p.shown, p.type.__name__, "state" if cells[p.index] else "", "", "", params, note)
+
+    def view_row(p: _Spot) -> _Row:
+        j = p.index
         fn = dag.node[j].value
         src, _ = dag.children[j][0]
         shape = dtype = "?"
         if src[0] == "array":
             x = leaves[src[1]]
-            params = _size(x) if is_param(x) else 0
+            params = _size(x) if param[src[1]] else 0
             try:
                 out = jax.eval_shape(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))
-                shape, dtype = str(tuple(out.shape)), np.dtype(out.dtype).name
+                shape, dtype = str(tuple(out.shape)), _dtype(out)
             except Exception:  # a function eval_shape cannot trace: show what we know
                 pass
         else:
             params = tally(src)[0]
-        return _Row(_keystr(path), "View", shape, dtype, params, f"{_fn_name(fn)} of {first(src)}")
-
-    def first(obj: tuple[str, int]) -> str:
-        return _keystr(dag.first[obj])
+        return _Row(p.shown, "View", "", shape, dtype, params, f"{_fn_name(fn)} of {dag.first[src]}")
 
     open_nodes: list[int] = []  # the nodes above the current place, by depth
     under_view: list[bool] = []
@@ -243,34 +295,31 @@ def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
         if p.depth and under_view[p.depth - 1] and not p.first:
             continue
         if p.kind == "array":
-            x = leaves[p.index]
-            rows.append(array_row(p.path, x, "" if p.first else f"tied to {first(obj)}"))
+            rows.append(array_row(p.shown, p.index, "" if p.first else f"tied to {dag.first[obj]}"))
             continue
         if not p.first:
             if p.index in open_nodes:
-                note = f"tied to {first(obj)} (reference cycle)"
-                rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", 0, note))
+                rows.append(node_row(p, 0, f"tied to {dag.first[obj]} (reference cycle)"))
             elif p.kind == "view":
-                row = view_row(p.path, p.index)
-                row.note += f", tied to {first(obj)}"
+                row = view_row(p)
+                row.note += f", tied to {dag.first[obj]}"
                 rows.append(row)
             else:
-                note = f"tied to {first(obj)}"
-                rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", tally(obj)[0], note))
+                rows.append(node_row(p, tally(obj)[0], f"tied to {dag.first[obj]}"))
             continue
-        if p.kind == "view":
-            rows.append(view_row(p.path, p.index))
-        else:
-            rows.append(_Row(_keystr(p.path), p.type.__name__, "", "", tally(obj)[0], ""))
+        rows.append(view_row(p) if p.kind == "view" else node_row(p, tally(obj)[0], ""))
         open_nodes.append(p.index)
         under_view.append(p.kind == "view")
     per_place = tally(dag.root)
     totals = {
-        "params": sum(_size(x) for x in leaves if is_param(x)),
+        "params": sum(_size(x) for x, p in zip(leaves, param) if p),
         "params_per_place": per_place[0],
         "bytes": sum(_nbytes(x) for x in leaves),
         "bytes_per_place": per_place[1],
         "arrays": len(leaves),
+        "state_arrays": sum(state),
+        "state_values": sum(_size(x) for x, st in zip(leaves, state) if st),
+        "state_bytes": sum(_nbytes(x) for x, st in zip(leaves, state) if st),
     }
     return rows, totals
 
@@ -284,24 +333,35 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-_HEAD = ("path", "type", "shape", "dtype", "params", "")
+_HEAD = ("path", "type", "kind", "shape", "dtype", "params", "")
 
 
 def _totals_lines(t: dict[str, int]) -> list[str]:
-    return [
-        f"parameters: {t['params']:,} unique, {t['params_per_place']:,} per place",
+    lines = [
+        f"parameters: {t['params']:,} unique, {t['params_per_place']:,} per place (the params column "
+        "counts per place)",
         f"array bytes: {_human(t['bytes'])} unique, {_human(t['bytes_per_place'])} per place",
     ]
+    if t["state_arrays"]:
+        lines.append(
+            f"state: {t['state_values']:,} values in {t['state_arrays']:,} unique arrays, "
+            f"{_human(t['state_bytes'])} (not parameters)"
+        )
+    return lines
 
 
 def summary(tree: Any) -> str:
     """A table of the model, one row per place, that shows every tie.
 
-    Columns: path, type, shape, dtype, parameter count at that place, and a
-    note: ``tied to <first path>`` where an array or node was met before (its
-    contents are not listed again), ``<fn> of <source path>`` for a view. A
-    node's count is everything under it at that place. The last lines give the
-    parameters and array bytes counted once per unique array and once per place.
+    Columns: path, type, kind (``param`` for a parameter, ``state`` for a state
+    cell and the arrays below it), shape, dtype, parameter count at that place,
+    and a note: ``tied to <first path>`` where an array or node was met before
+    (its contents are not listed again), ``<fn> of <source path>`` for a view. A
+    node's count is everything under it at that place, so the ``<root>`` row
+    counts each parameter once per place. The last lines give the parameters and
+    array bytes counted once per unique array and once per place, and the state
+    apart (state is never a parameter). Paths longer than 80 characters are shown
+    as ``...`` and their end.
     Plain text, no colour: print it, log it, or use `print_summary`.
 
     Examples:
@@ -309,27 +369,27 @@ def summary(tree: Any) -> str:
         >>> from tied.nn import Chain, Dense
         >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
         >>> print(tied.summary(Chain(d1, Dense(d1.weight, d1.bias))))
-        path               type   shape   dtype    params
-        <root>             Chain                       12
-        .layers            list                        12
-        .layers[0]         Dense                        6
-        .layers[0].weight  Array  (2, 2)  float32       4
-        .layers[0].bias    Array  (2,)    float32       2
-        .layers[1]         Dense                        6
-        .layers[1].weight  Array  (2, 2)  float32       4  tied to .layers[0].weight
-        .layers[1].bias    Array  (2,)    float32       2  tied to .layers[0].bias
-        parameters: 6 unique, 12 per place
+        path               type   kind   shape   dtype    params
+        <root>             Chain                              12
+        .layers            list                               12
+        .layers[0]         Dense                               6
+        .layers[0].weight  Array  param  (2, 2)  float32       4
+        .layers[0].bias    Array  param  (2,)    float32       2
+        .layers[1]         Dense                               6
+        .layers[1].weight  Array  param  (2, 2)  float32       4  tied to .layers[0].weight
+        .layers[1].bias    Array  param  (2,)    float32       2  tied to .layers[0].bias
+        parameters: 6 unique, 12 per place (the params column counts per place)
         array bytes: 24 B unique, 48 B per place
     """
     rows, totals = _rows(tree)
-    table = [_HEAD] + [(r.path, r.type, r.shape, r.dtype, f"{r.params:,}", r.note) for r in rows]
-    widths = [max(len(row[c]) for row in table) for c in range(5)]
+    table = [_HEAD] + [(r.path, r.type, r.kind, r.shape, r.dtype, f"{r.params:,}", r.note) for r in rows]
+    widths = [max(len(row[c]) for row in table) for c in range(6)]
     lines = []
     for row in table:
-        cells = [row[c].ljust(widths[c]) for c in range(4)] + [row[4].rjust(widths[4])]
+        cells = [row[c].ljust(widths[c]) for c in range(5)] + [row[5].rjust(widths[5])]
         line = "  ".join(cells)
-        if row[5]:
-            line += "  " + row[5]
+        if row[6]:
+            line += "  " + row[6]
         lines.append(line.rstrip())
     return "\n".join(lines + _totals_lines(totals))
 
@@ -355,11 +415,12 @@ def print_summary(tree: Any, file: TextIO | None = None) -> None:
         print(summary(tree), file=file if file is not None else sys.stdout)
         return
     rows, totals = _rows(tree)
-    table = Table(*_HEAD[:4], "params", "tied / view", show_lines=False)
-    table.columns[4].justify = "right"
+    table = Table(*_HEAD[:5], "params", "tied / view", show_lines=False)
+    table.columns[5].justify = "right"
     for r in rows:
         style = "yellow" if r.note.startswith("tied") else "cyan" if r.type == "View" else None
-        cells = (r.path, r.type, r.shape, r.dtype, f"{r.params:,}", r.note)
+        style = style or ("magenta" if r.kind == "state" else None)
+        cells = (r.path, r.type, r.kind, r.shape, r.dtype, f"{r.params:,}", r.note)
         table.add_row(*(Text(c) for c in cells), style=style)  # Text: paths are not rich markup
     console = Console(file=file)
     console.print(table)
@@ -374,6 +435,9 @@ def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+_STATE_FILL = "#d5f5e3"
+
+
 def to_dot(tree: Any) -> str:
     """The model as a Graphviz DOT graph: each node and array drawn once, an edge for every place.
 
@@ -382,8 +446,9 @@ def to_dot(tree: Any) -> str:
     with the child's key, so a shared array or node has one incoming edge per
     place (drawn bold red when it has several). A view is not drawn as a node:
     it is a dashed edge from the place that holds it to its source, labelled
-    ``key = fn(.)``. Static fields are left out. Render with `render_dot` or
-    any Graphviz viewer.
+    ``key = fn(.)``. State (a `tied.State` or another state cell, and the
+    arrays below it) is filled light green, its cells labelled ``(state)``.
+    Static fields are left out. Render with `render_dot` or any Graphviz viewer.
 
     Examples:
         >>> import jax.numpy as jnp, tied
@@ -394,6 +459,7 @@ def to_dot(tree: Any) -> str:
         7
     """
     leaves, gdef = _read(tree)
+    state, cells = gdef.state_leaves(), gdef.state_nodes()
     dag = _Dag(gdef)
 
     def is_view(obj: tuple[str, int]) -> bool:
@@ -443,14 +509,18 @@ def to_dot(tree: Any) -> str:
     for obj in sorted(drawn, key=lambda o: (o[0] != "array", o[1])):
         shared = indegree.get(obj, 0) > 1
         style = ', color="#c0392b", penwidth=2' if shared else ""
+        is_state = state[obj[1]] if obj[0] == "array" else cells[obj[1]]
+        if is_state:  # state: filled, and said in the label (readable without colour too)
+            style += f", style=filled, fillcolor={_q(_STATE_FILL)}"
         if obj[0] == "array":
             x = leaves[obj[1]]
             shape = ", ".join(str(d) for d in x.shape)
-            label = f"{np.dtype(x.dtype).name}[{shape}]\n{_keystr(dag.first[obj])}"
+            label = f"{_dtype(x)}[{shape}]\n{_keystr(dag.first[obj])}"
             lines.append(f"  {name(obj)} [label={_q(label)}, shape=ellipse{style}];")
         else:
             p = dag.node[obj[1]]
             label = f"View {_fn_name(p.value)}" if p.kind == "view" else p.type.__name__
+            label += " (state)" if is_state else ""
             lines.append(f"  {name(obj)} [label={_q(label)}, shape=box{style}];")
     for src, dst, label, view_edge in edges:
         style = ", style=dashed" if view_edge else ""

@@ -8,13 +8,17 @@ about sharing lives here, so a format only moves bytes:
 * `describe(tree, metadata)` flattens a tree and returns its unique arrays and
   its manifest: for each unique array its tensor name, dtype, shape and every
   place (keystr paths); the places of each shared node; each view's places,
-  function name and source; the caller's metadata. A format adds its own fields
-  to an array's entry (a checksum, an offset) and stores the document.
-* `validate(doc, where)` checks a manifest read back from disk field by field
-  (types and values), so that a hostile or corrupt document raises
-  `CheckpointError`, never a ``KeyError`` or ``TypeError``.
+  function name and source; the caller's metadata. State (the arrays below a
+  `tied.State` or another state cell) is marked ``"state": true``; a typed key
+  (``jax.random.key``) is stored as its key data, its implementation named under
+  ``"key"``, and comes back as a typed key. A format adds its own fields to an
+  array's entry (a checksum, an offset) and stores `pack` of the document.
+* `validate(doc, where)` (in `_document`, with `pack`) checks a manifest read
+  back from disk field by field (types and values), so that a hostile or corrupt
+  document raises `CheckpointError`, never a ``KeyError`` or ``TypeError``; a
+  deep model's place table is unfolded into paths there.
 * `match(doc, like, where)` checks the manifest against ``like`` (places,
-  views, shared nodes, tied arrays, shapes, dtypes; the first difference is
+  views, shared nodes, tied arrays, shapes, dtypes, keys, state; the first difference is
   named by path) before anything is read, and returns a `Match`: for each
   unique array of ``like`` the manifest entry to read into it.
 * `build(match, arrays)` rebuilds the tree from one array per unique array of
@@ -49,58 +53,49 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._document import (
+    FORMAT,
+    READS,
+    VERSION,
+    CheckpointError,
+    Manifest,
+    PlaceTable,
+    corrupt,
+    is_int,
+    keystr,
+    pack,
+    valid_shape,
+    validate,
+    written_counts,
+)
 from ._graph import GraphDef, flatten, unflatten
-from ._inspect import _fn_name
 
-__all__ = [
+__all__ = [  # with the document's names from `_document`, which the formats read here too
     "CheckpointError",
     "FORMAT",
+    "READS",
     "VERSION",
+    "corrupt",
+    "is_int",
+    "keystr",
+    "valid_shape",
+    "Manifest",
     "Match",
     "build",
     "describe",
     "match",
-    "match_keys",
+    "fn_name",
+    "pack",
     "place_like",
     "user_metadata",
     "validate",
 ]
-
-FORMAT = "tied"
-# 1: the single-file format before the manifest was split out (zlib CRC-32 per array);
-# 2: the same manifest, and the checksum algorithm is named by the format that stores it.
-VERSION = 2
-READS = (1, 2)
-_MAX_NDIM = 64
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or read into the given model; the message says why and where.
-
-    Examples:
-        >>> import os, tempfile, jax.numpy as jnp, tied
-        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
-        >>> w = jnp.ones((2, 2))
-        >>> tied.save(path, {"embed": w, "head": w})        # a tied head, stored once
-        >>> try:
-        ...     tied.load(path, like={"embed": w, "head": jnp.ones((2, 2))})   # like has no tie
-        ... except tied.CheckpointError as e:
-        ...     print(str(e).split(": ", 1)[1])             # after the file's path
-        the sharing differs at ['embed']: in like, ['embed'] is not tied to another place; in the
-        file, ['embed'] and ['head'] are one array. Build `like` with the ties of the saved model.
-    """
-
-
-def keystr(path: str) -> str:
-    """A place as messages show it (the root's empty path as ``<root>``)."""
-    return path or "<root>"
-
 
 # ---------------------------------------------------------------- abstract leaves in `like`
 
@@ -113,6 +108,43 @@ def is_abstract(leaf: Any) -> bool:
 def dtype_name(leaf: Any) -> str:
     """The numpy name of a leaf's dtype (``float32``, ``bfloat16``); byte order plays no part."""
     return np.dtype(leaf.dtype).name
+
+
+def fn_name(fn: Any) -> str:
+    """A stable name for a view function (never a repr holding a memory address); checkpoints store
+    it and match it, inspection shows it."""
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    inner = getattr(fn, "func", None)  # functools.partial
+    return f"partial({fn_name(inner)})" if inner is not None else type(fn).__name__
+
+
+# ---------------------------------------------------------------- typed keys
+
+
+def is_key(leaf: Any) -> bool:
+    """Whether a leaf is a typed random key (``jax.random.key``), stored as its key data."""
+    return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+
+
+def key_impl(leaf: Any) -> str:
+    """The name of a typed key's implementation (``"threefry2x32"``, ``"rbg"``)."""
+    return str(leaf.dtype._impl.name)
+
+
+def stored(leaf: Any) -> tuple[tuple[int, ...], str, str | None]:
+    """What a checkpoint stores for a leaf: ``(shape, numpy dtype name, key implementation or None)``;
+    a typed key is stored as its key data (``jax.random.key_data``: unsigned integers, the key's
+    own shape last)."""
+    if is_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return tuple(int(d) for d in data.shape), np.dtype(data.dtype).name, key_impl(leaf)
+    return tuple(int(d) for d in leaf.shape), dtype_name(leaf), None
+
+
+def _show_stored(shape: Sequence[int], dtype: str, key: str | None) -> str:
+    return f"a typed key ({key}) stored as {tuple(shape)} {dtype}" if key else f"{tuple(shape)} {dtype}"
 
 
 # ---------------------------------------------------------------- writing a manifest
@@ -135,12 +167,18 @@ def user_metadata(metadata: Mapping[str, Any] | None) -> dict:
         ) from None
 
 
+_MAX_NAME = 200  # longer tensor names are elided (a deep model's paths would fill the header)
+
+
 def _tensor_names(arrays: Sequence[Sequence[str]]) -> list[str]:
-    """One unique name per array: its first place, with ``#2``, ``#3``... where two places read alike."""
+    """One unique name per array: its first place (elided in the middle past 200 characters), with
+    ``#2``, ``#3``... where two arrays would get one name."""
     names: list[str] = []
     seen: set[str] = {"__metadata__"}
     for paths in arrays:
         base = keystr(paths[0])
+        if len(base) > _MAX_NAME:
+            base = base[:60] + "..." + base[-(_MAX_NAME - 63) :]
         name, k = base, 1
         while name in seen:
             k += 1
@@ -148,6 +186,48 @@ def _tensor_names(arrays: Sequence[Sequence[str]]) -> list[str]:
         seen.add(name)
         names.append(name)
     return names
+
+
+class _Placing:
+    """Every place of a graph (shared nodes entered once, as the walk does) as a table: place ``t``
+    is ``pieces[t]`` below place ``parents[t]`` (the root is place 0, parent -1), so a deep model is
+    described in space linear in its depth. ``paths[t]`` is its keystr path; ``arrays[i]`` and
+    ``nodes[j]`` the places of unique array ``i`` and node ``j``, in walk order."""
+
+    def __init__(self, gdef: GraphDef):
+        self.parents: list[int] = []
+        self.pieces: list[str] = []
+        self.paths: list[str] = []
+        self.arrays: list[list[int]] = [[] for _ in range(gdef.num_leaves)]
+        self.nodes: list[list[int]] = [[] for _ in range(gdef.num_nodes)]
+        self.views: list[int] = []  # the view nodes, in index order
+        above: list[int] = []  # the place of the node entered at each depth
+        for p in gdef.walk_places():
+            if p.kind == "static":
+                continue
+            t = len(self.paths)
+            parent = above[p.depth - 1] if p.depth else -1
+            self.parents.append(parent)
+            self.pieces.append(p.path[len(self.paths[parent]) :] if p.depth else p.path)
+            self.paths.append(p.path)
+            if p.kind == "array":
+                self.arrays[p.index].append(t)
+                continue
+            if not self.nodes[p.index] and p.kind == "view":
+                self.views.append(p.index)
+            self.nodes[p.index].append(t)
+            if p.first:  # a node whose children come next
+                del above[p.depth :]
+                above.append(t)
+        self.views.sort()
+
+    def keys(self, t: int) -> tuple[str, ...]:
+        """The place's keystr pieces from the root (``(".encoder", ".weight")``)."""
+        out = []
+        while t > 0:
+            out.append(self.pieces[t])
+            t = self.parents[t]
+        return tuple(reversed(out))
 
 
 def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list, dict]:
@@ -158,16 +238,22 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         metadata: the caller's JSON-serialisable values under string keys (or None).
 
     Returns:
-        ``(leaves, manifest)``: the unique arrays in flatten order, and a dict
-        ``{"format": "tied", "version": 2, "arrays": [...], "shared_nodes": [...],
-        "views": [...], "user": {...}}``. ``arrays[i]`` describes ``leaves[i]``:
-        ``{"name", "dtype", "shape", "places"}``, with ``name`` unique (the
-        first place's keystr, ``<root>`` for the root) and ``dtype`` a numpy
-        dtype name. A format adds its own fields to these entries before storing
-        the document (``json.dumps`` writes it).
+        ``(leaves, manifest)``: the arrays to store, one per unique array in flatten order
+        (a typed key as its key data, ``jax.random.key_data``), and a dict
+        ``{"format": "tied", "version": 3, "arrays": [...], "shared_nodes": [...],
+        "views": [...], "user": {...}}`` (a `Manifest`). ``arrays[i]``
+        describes ``leaves[i]``: ``{"name", "dtype", "shape", "places"}``, with
+        ``name`` unique (the first place's keystr, ``<root>`` for the root) and
+        ``dtype`` a numpy dtype name, plus ``"key"`` (the implementation's name) for a
+        typed key and ``"state": true`` for state (below a `tied.State` or another
+        state cell). The places are keystr paths; the manifest's ``table`` says the
+        same compactly, for `pack`. A format adds its own fields to the array entries
+        and stores `pack` of the document (or the document itself: both read back).
 
     Raises:
-        CheckpointError: metadata that is not a JSON-able mapping with string keys.
+        CheckpointError: metadata that is not a JSON-able mapping with string keys, or two
+            places that would be written alike with the same keys (two dict keys that print
+            alike, such as two ``float("nan")`` keys), naming the path.
 
     Examples:
         >>> import jax
@@ -182,178 +268,69 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
     """
     user = user_metadata(metadata)
     leaves, gdef = flatten(tree)
-    paths, keys = _array_places(gdef)
+    placing = _Placing(gdef)
+    paths = [[placing.paths[t] for t in ts] for ts in placing.arrays]
+    written = written_counts(paths)
+    state = gdef.state_leaves()
     names = _tensor_names(paths)
-    written = _written(paths)
-    arrays = []
-    for leaf, name, ps, ks in zip(leaves, names, paths, keys):
-        entry = {"name": name, "dtype": dtype_name(leaf), "shape": [int(d) for d in leaf.shape], "places": ps}
+    arrays, out = [], []
+    for leaf, name, ps, ts, is_state in zip(leaves, names, paths, placing.arrays, state):
+        shape, dtype, key = stored(leaf)
+        entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape), "places": ps}
+        if key is not None:
+            entry["key"] = key
+            leaf = jax.random.key_data(leaf)
+        if is_state:
+            entry["state"] = True
         if any(written[p] > 1 for p in ps):
-            entry["place_keys"] = [list(k) for k in ks]
+            entry["place_keys"] = [list(placing.keys(t)) for t in ts]
         arrays.append(entry)
-    doc = {
-        "format": FORMAT,
-        "version": VERSION,
-        "arrays": arrays,
-        "shared_nodes": [list(g) for g in gdef.shared_node_paths()],
-        "views": _views(gdef),
-        "user": user,
-    }
-    return leaves, doc
+        out.append(leaf)
+    _refuse_alike(arrays)
+    shared = [ts for ts in placing.nodes if len(ts) > 1]
+    views, views_at = [], []
+    first_place = {p: t for t, p in reversed(list(enumerate(placing.paths)))}
+    for v, j in zip(gdef.views(), placing.views):
+        views.append({"places": list(v.paths), "fn": fn_name(v.fn), "source": v.source})
+        views_at.append((placing.nodes[j], None if v.source is None else first_place.get(v.source)))
+    doc = Manifest(
+        format=FORMAT,
+        version=VERSION,
+        arrays=arrays,
+        shared_nodes=[[placing.paths[t] for t in ts] for ts in shared],
+        views=views,
+        user=user,
+    )
+    doc.table = PlaceTable(
+        [[p, k] for p, k in zip(placing.parents, placing.pieces)], placing.arrays, shared, views_at
+    )
+    return out, doc
 
 
-def _array_places(gdef: GraphDef) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
-    """For each unique array, its places in walk order, and each place's keys: the keystr
-    pieces from the root (``(".encoder", ".weight")``), which tell apart places written alike."""
-    paths: list[list[str]] = [[] for _ in range(gdef.num_leaves)]
-    keys: list[list[tuple[str, ...]]] = [[] for _ in range(gdef.num_leaves)]
-    above: list[tuple[str, tuple[str, ...]]] = []  # the node entered at each depth, with its keys
-    for p in gdef.walk_places():
-        if p.depth == 0:
-            mine: tuple[str, ...] = ()
-        else:
-            parent, parent_keys = above[p.depth - 1]
-            mine = (*parent_keys, p.path[len(parent) :])
-        if p.kind == "array":
-            paths[p.index].append(p.path)
-            keys[p.index].append(mine)
-        elif p.kind != "static" and p.first:  # a node whose children come next
-            del above[p.depth :]
-            above.append((p.path, mine))
-    return paths, keys
-
-
-def _written(paths: Sequence[Sequence[str]]) -> dict[str, int]:
-    """How many places are written as each path."""
-    count: dict[str, int] = {}
-    for ps in paths:
-        for p in ps:
-            count[p] = count.get(p, 0) + 1
-    return count
+def _refuse_alike(arrays: list[dict]) -> None:
+    seen: set[tuple] = set()
+    for a in arrays:
+        for j, p in enumerate(a["places"]):
+            if "place_keys" in a:
+                k = (p, tuple(a["place_keys"][j]))
+                if k in seen:
+                    raise CheckpointError(
+                        f"{keystr(p)}: two places of the model are written alike with the same keys "
+                        f"({' '.join(k[1])}), so a checkpoint cannot tell them apart: two dict keys "
+                        "that print alike (two float('nan') keys, say). Give the dict keys that print "
+                        "differently (strings, say) before saving."
+                    )
+                seen.add(k)
 
 
 def _array_ids(paths: Sequence[Sequence[str]], keys: Sequence[Sequence[Any] | None]) -> list[list[tuple]]:
     """Each array place as ``(path, keys)``: keys ``()`` where no other place is written alike, else
     the place's keys (which `validate` makes sure a manifest has for such places)."""
-    written = _written(paths)
+    written = written_counts(paths)
     return [
         [(p, tuple(ks[j]) if written[p] > 1 else ()) for j, p in enumerate(ps)]  # type: ignore[index]
         for ps, ks in zip(paths, keys)
     ]
-
-
-def _views(gdef: GraphDef) -> list[dict]:
-    return [{"places": list(v.paths), "fn": _fn_name(v.fn), "source": v.source} for v in gdef.views()]
-
-
-# ---------------------------------------------------------------- reading a manifest
-
-
-def corrupt(where: str, what: str) -> CheckpointError:
-    """The error for a checkpoint that cannot be what tied wrote."""
-    return CheckpointError(
-        f"{where}: not a readable tied checkpoint: {what}. The file is truncated, corrupted or was not "
-        "written by tied.save; nothing was loaded."
-    )
-
-
-def is_int(x: Any) -> bool:
-    """A JSON integer (not a boolean)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def valid_shape(x: Any) -> bool:
-    """A JSON list of non-negative integers of at most 64 dimensions."""
-    return isinstance(x, list) and len(x) <= _MAX_NDIM and all(is_int(d) and d >= 0 for d in x)
-
-
-def validate(doc: Any, where: str) -> dict:
-    """Check a manifest read from disk, field by field; return it.
-
-    Every field the loader reads must have the type and value `describe`
-    gives it: a hostile or corrupted document raises `CheckpointError`, never a
-    ``KeyError`` or ``TypeError``. Fields a format adds to the array entries
-    are the format's to check.
-
-    Args:
-        doc: the parsed JSON document.
-        where: the checkpoint's path, for messages.
-
-    Returns:
-        ``doc`` itself.
-
-    Raises:
-        CheckpointError: a malformed manifest, or one of a version this tied does not read.
-    """
-
-    def bad(what: str) -> CheckpointError:
-        return corrupt(where, f"the '{FORMAT}' metadata is malformed: {what}")
-
-    def paths_list(x: Any, what: str) -> None:
-        if not isinstance(x, list) or not x or not all(isinstance(p, str) for p in x):
-            raise bad(f"{what} is not a non-empty list of paths")
-
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise bad("no format marker")
-    version = doc.get("version")
-    if not is_int(version) or version not in READS:
-        raise CheckpointError(
-            f"{where}: tied checkpoint version {version!r}; this tied reads versions "
-            f"{', '.join(map(str, READS))}. Load it with the tied release that wrote it."
-        )
-    arrays = doc.get("arrays")
-    if not isinstance(arrays, list):
-        raise bad("'arrays' is not a list")
-    named: set[str] = set()
-    for k, a in enumerate(arrays):
-        if not isinstance(a, dict):
-            raise bad(f"array {k} is not an object")
-        name = a.get("name")
-        if not isinstance(name, str):
-            raise bad(f"array {k} has no tensor name (found {type(name).__name__})")
-        if name in named:
-            raise bad(f"array {k} names tensor {name!r}, which another array names too")
-        named.add(name)
-        if not isinstance(a.get("dtype"), str):
-            raise bad(f"array {name!r} has no dtype name")
-        if not valid_shape(a.get("shape")):
-            raise bad(f"array {name!r} has an invalid shape {a.get('shape')!r}")
-        paths_list(a.get("places"), f"array {name!r} places")
-        if "place_keys" in a:
-            ks = a["place_keys"]
-            if (
-                not isinstance(ks, list)
-                or len(ks) != len(a["places"])
-                or not all(isinstance(k, list) and all(isinstance(s, str) for s in k) for k in ks)
-            ):
-                raise bad(f"array {name!r} place_keys is not a list of keys for each place")
-    written = _written([a["places"] for a in arrays])
-    placed: set[tuple] = set()
-    for a in arrays:
-        for j, p in enumerate(a["places"]):
-            if written[p] > 1:  # a tree that writes places alike records their keys
-                if "place_keys" not in a:
-                    raise bad(f"the place {keystr(p)} is listed twice, without keys to tell them apart")
-                if (p, tuple(a["place_keys"][j])) in placed:
-                    raise bad(f"the place {keystr(p)} is listed twice with the same keys")
-                placed.add((p, tuple(a["place_keys"][j])))
-    nodes = doc.get("shared_nodes")
-    if not isinstance(nodes, list):
-        raise bad("'shared_nodes' is not a list")
-    for g in nodes:
-        paths_list(g, "a shared node's places")
-    views = doc.get("views")
-    if not isinstance(views, list):
-        raise bad("'views' is not a list")
-    for v in views:
-        if not isinstance(v, dict) or not isinstance(v.get("fn"), str):
-            raise bad("a view entry has no function name")
-        paths_list(v.get("places"), "a view's places")
-        if "source" not in v or not (v["source"] is None or isinstance(v["source"], str)):
-            raise bad("a view's source is not a path")
-    if not isinstance(doc.get("user", {}), dict):
-        raise bad("'user' is not an object")
-    return doc
 
 
 # ---------------------------------------------------------------- matching `like`
@@ -387,9 +364,7 @@ def _private(path: str) -> bool:
     return any(part.startswith("_") for part in path.replace("[", ".").split(".")[1:] if part)
 
 
-def _missing(
-    where: str, ids: list[tuple], side: str, other: str, other_paths: Any = ()
-) -> CheckpointError:
+def _missing(where: str, ids: list[tuple], side: str, other: str, other_paths: Any = ()) -> CheckpointError:
     hint = ""
     if side == "the file" and any(_private(p) for p, _ in ids):
         hint = (
@@ -448,20 +423,28 @@ class Match:
     paths: list[tuple[str, ...]]
 
 
-def _check_leaf(where: str, place: str, leaf: Any, shape: Sequence[int], dtype: str) -> None:
-    if is_abstract(leaf) and jax.dtypes.canonicalize_dtype(leaf.dtype) != np.dtype(leaf.dtype):
+def _check_leaf(
+    where: str, place: str, leaf: Any, shape: Sequence[int], dtype: str, key: str | None = None
+) -> None:
+    if (
+        not is_key(leaf)
+        and is_abstract(leaf)
+        and jax.dtypes.canonicalize_dtype(leaf.dtype) != np.dtype(leaf.dtype)
+    ):
         raise CheckpointError(
             f"{where}: like has a jax.ShapeDtypeStruct of dtype {dtype_name(leaf)} at {keystr(place)}, "
             f"which loads as a JAX array, but JAX holds {dtype_name(leaf)} only with jax_enable_x64 set. "
             "Enable it, or put a numpy array of that dtype in like."
         )
-    want = (tuple(int(d) for d in leaf.shape), dtype_name(leaf))
-    got = (tuple(shape), dtype)
+    want = stored(leaf)
+    got = (tuple(shape), dtype, key)
     if want != got:
-        what = "shape" if want[0] != got[0] else "dtype"
+        what = "shape" if want[0] != got[0] else "dtype" if want[1] != got[1] else "key implementation"
+        if (want[2] is None) != (got[2] is None):
+            what = "kind of array"
         raise CheckpointError(
-            f"{where}: the {what} differs at {keystr(place)}: the file has {got[0]} {got[1]}, like has "
-            f"{want[0]} {want[1]}. Build `like` with the saved model's sizes and dtypes (or cast after "
+            f"{where}: the {what} differs at {keystr(place)}: the file has {_show_stored(*got)}, like has "
+            f"{_show_stored(*want)}. Build `like` with the saved model's sizes and dtypes (or cast after "
             "loading)."
         )
 
@@ -497,12 +480,18 @@ def match(doc: dict, like: Any, where: str) -> Match:
         ['.layers[0].weight', '.layers[0].bias']
     """
     leaves, gdef = flatten(like)
-    paths, keys = _array_places(gdef)
+    placing = _Placing(gdef)
+    paths = [[placing.paths[t] for t in ts] for ts in placing.arrays]
+    twice = written_counts(paths)
+    keys = [
+        [placing.keys(t) for t in ts] if any(twice[p] > 1 for p in ps) else None
+        for ps, ts in zip(paths, placing.arrays)
+    ]
 
     like_views = gdef.views()
     like_view_ids = _ids([v.paths for v in like_views])
     file_view_ids = _ids([v["places"] for v in doc["views"]])
-    like_v = {p: (_fn_name(v.fn), v.source) for v, ids in zip(like_views, like_view_ids) for p in ids}
+    like_v = {p: (fn_name(v.fn), v.source) for v, ids in zip(like_views, like_view_ids) for p in ids}
     file_v = {p: (v["fn"], v["source"]) for v, ids in zip(doc["views"], file_view_ids) for p in ids}
     if len(file_v) != sum(len(ids) for ids in file_view_ids):
         raise corrupt(where, "a place is listed under two views")
@@ -535,132 +524,18 @@ def match(doc: dict, like: Any, where: str) -> Match:
     _groups_differ(where, "array", like_ids, file_ids)
 
     entries = []
-    for leaf, ids in zip(leaves, like_ids):
+    marks = doc["version"] >= 3  # earlier files do not say which arrays are state
+    for leaf, ids, is_state in zip(leaves, like_ids, gdef.state_leaves()):
         a = doc["arrays"][file_at[ids[0]]]
-        _check_leaf(where, ids[0][0], leaf, a["shape"], a["dtype"])
+        _check_leaf(where, ids[0][0], leaf, a["shape"], a["dtype"], a.get("key"))
+        if marks and a.get("state", False) != is_state:
+            kinds = ("a parameter", "state") if is_state else ("state", "a parameter")
+            raise CheckpointError(
+                f"{where}: {keystr(ids[0][0])} is {kinds[0]} in the file but {kinds[1]} in like (state sits "
+                "below a tied.State or another state cell). Build `like` as the saved model was built."
+            )
         entries.append(a)
     return Match(gdef, leaves, entries, [tuple(ps) for ps in paths])
-
-
-def match_keys(
-    keys: Mapping[str, tuple[str, Sequence[int]]],
-    like: Any,
-    where: str,
-    *,
-    rename: Mapping[str, str] | Callable[[str], str] | None = None,
-    allow_extra: bool = False,
-) -> Match:
-    """Pair each unique array of ``like`` with a key of a plain file (no tie metadata).
-
-    A file key names a place of ``like`` by its keystr path (after ``rename``:
-    a mapping from file key to path, keys it lacks kept as they are, or a
-    function). Each unique array of ``like`` is read from any one of its places
-    that the file holds (a file that stores a tied weight once names one place);
-    two keys naming places of one array must hold equal shapes and dtypes.
-
-    Args:
-        keys: the file's tensors, ``{key: (numpy dtype name, shape)}``.
-        like: the object graph to load into.
-        where: the file's path, for messages.
-        rename: file key -> place of ``like``.
-        allow_extra: accept file keys that name no place of ``like`` (they are not read).
-
-    Returns:
-        A `Match` whose entries are ``{"name": first file key, "keys": every file key}``.
-
-    Raises:
-        CheckpointError: a unique array none of whose places the file holds (naming
-            those places), keys naming no place (listed) unless ``allow_extra``,
-            two keys renamed to one place, a place path ``like`` writes twice, or a
-            shape or dtype that differs.
-
-    Examples:
-        >>> import jax, tied
-        >>> from tied._manifest import match_keys
-        >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
-        >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}   # a tied head
-        >>> keys = {"embed.weight": ("float32", [10, 4])}               # the file stores it once
-        >>> m = match_keys(keys, like=model, where="hf.safetensors",
-        ...                rename={"embed.weight": "['embed'].weight"})
-        >>> m.entries
-        [{'name': 'embed.weight', 'keys': ['embed.weight']}]
-        >>> m.paths
-        [("['embed'].weight", "['head'].weight")]
-    """
-    leaves, gdef = flatten(like)
-    paths = list(gdef.leaf_paths())
-    owner: dict[str, int] = {}
-    ambiguous: set[str] = set()
-    for i, ps in enumerate(paths):
-        for p in ps:
-            if p in owner and owner[p] != i:
-                ambiguous.add(p)
-            owner[p] = i
-    if rename is None:
-        to_path: Callable[[str], Any] = lambda k: k
-    elif isinstance(rename, Mapping):
-        to_path = lambda k: rename.get(k, k)
-    elif callable(rename):
-        to_path = rename
-    else:
-        raise CheckpointError(
-            f"tied.load(rename=...) takes a mapping or a function from file key to path, got "
-            f"{type(rename).__name__}."
-        )
-
-    found: dict[int, list[tuple[str, str]]] = {}
-    extra: list[str] = []
-    claimed: dict[str, str] = {}
-    for key in keys:
-        try:
-            p = to_path(key)
-        except Exception as e:
-            raise CheckpointError(
-                f"{where}: rename failed on the file key {key!r} ({type(e).__name__}: {e})."
-            ) from e
-        if p is None and allow_extra:  # rename says: leave this key unread
-            continue
-        if not isinstance(p, str):
-            raise CheckpointError(
-                f"{where}: rename turned the file key {key!r} into {p!r}; it must give a keystr path "
-                "such as '.layers[0].weight'."
-            )
-        if p in claimed:
-            raise CheckpointError(
-                f"{where}: the file keys {claimed[p]!r} and {key!r} both name the place {keystr(p)}."
-            )
-        claimed[p] = key
-        if p in ambiguous:
-            raise CheckpointError(
-                f"{where}: like has two places written {keystr(p)} (an attribute whose name holds a '.' "
-                "or brackets), so a file key cannot name one of them. Rename the attribute."
-            )
-        if p not in owner:
-            extra.append(key)
-            continue
-        found.setdefault(owner[p], []).append((p, key))
-    if extra and not allow_extra:
-        shown = ", ".join(repr(k) for k in extra[:10])
-        shown += f" and {len(extra) - 10} more" if len(extra) > 10 else ""
-        raise CheckpointError(
-            f"{where}: the file holds keys that name no place of like: {shown}. Map them with rename=..., "
-            "or pass allow_extra=True to leave them unread."
-        )
-    entries = []
-    for i, (leaf, ps) in enumerate(zip(leaves, paths)):
-        hits = found.get(i)
-        if not hits:
-            raise CheckpointError(
-                f"{where}: no key of the file holds the array at {' / '.join(keystr(p) for p in ps)}. "
-                "Map the file's key to one of these places with rename=..., or give like an array "
-                "the file has."
-            )
-        hits.sort(key=lambda hit: ps.index(hit[0]))  # in like's walk order, whatever the file's
-        for p, key in hits:
-            dtype, shape = keys[key]
-            _check_leaf(where, p, leaf, shape, dtype)
-        entries.append({"name": hits[0][1], "keys": [key for _, key in hits]})
-    return Match(gdef, leaves, entries, paths)
 
 
 # ---------------------------------------------------------------- building the loaded tree
@@ -672,6 +547,8 @@ def place_like(x: np.ndarray, leaf: Any) -> Any:
     sharding, anything else an uncommitted JAX array on the default device."""
     if isinstance(leaf, np.ndarray):
         return x
+    if is_key(leaf) and not is_key(x):  # key data read from the file: a typed key again
+        x = jax.random.wrap_key_data(jax.device_put(x), impl=key_impl(leaf))
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None and (is_abstract(leaf) or getattr(leaf, "committed", False)):
         return jax.device_put(x, sharding)
@@ -701,8 +578,12 @@ def build(m: Match, arrays: Sequence[Any]) -> Any:
     """
     if len(arrays) != len(m.like):
         raise CheckpointError(f"{len(arrays)} arrays were read for {len(m.like)} unique arrays of like.")
+    arrays = [
+        jax.random.wrap_key_data(x, impl=key_impl(leaf)) if is_key(leaf) and not is_key(x) else x
+        for x, leaf in zip(arrays, m.like)
+    ]
     for x, leaf, ps in zip(arrays, m.like, m.paths):
-        _check_leaf("loading", ps[0], leaf, x.shape, dtype_name(x))
+        _check_leaf("loading", ps[0], leaf, *stored(x))
     return unflatten(m.gdef, list(arrays))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._grad import is_param
 from ._graph import GraphDef, flatten, unflatten
 from ._surgery import Places, get, put
 
@@ -23,12 +24,14 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
     *rest: Any,
     with_path: bool = False,
     is_leaf: Callable[[Any], bool] | None = None,
+    only: str = "all",
 ) -> Any:
     """Apply ``f`` to every unique array of ``tree``; the result keeps the structure and ties.
 
     Like `jax.tree_util.tree_map`, but over the graph: ``f`` is called once per unique
     array (however many places hold it), and its result stands at every place of that
-    array, one object. Arrays of every dtype are passed (filter inside ``f``). Static
+    array, one object. Arrays of every dtype are passed (filter inside ``f``, or with
+    ``only``). Static
     values (numbers, strings, None, functions) are kept as they are. A `tied.View` keeps
     its function and reads the mapped source.
 
@@ -43,14 +46,20 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
             whole, once however many places hold it, and the result stands at all its
             places; nothing inside it is mapped. An array inside such a container that
             is also held outside it (or inside another one) is an error, since the tie
-            would be cut. Containers that hold no arrays are kept as they are.
+            would be cut, and so is a container passed whole that reaches a container also
+            held outside it (a ``.parent`` back to the root, say). Containers that hold no
+            arrays are kept as they are.
+        only: which arrays ``f`` gets: ``"all"``, ``"params"`` (parameters: inexact arrays
+            that are not state) or ``"state"`` (the arrays below a `tied.State` or another
+            state cell). The others stay as they are, the same objects. Containers passed
+            whole by ``is_leaf`` are passed whatever they hold.
 
     Returns:
         A new model: ``tree``'s structure, ties and statics, with ``f``'s results.
 
     Raises:
         ValueError: a tree in ``rest`` differs from ``tree``; the message names the first
-            differing path. Or ``is_leaf`` would cut a tie.
+            differing path. Or ``is_leaf`` would cut a tie, or ``only`` is not one of the three.
 
     Examples:
         >>> import jax.numpy as jnp, tied
@@ -63,7 +72,16 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
         >>> ema = tied.map(lambda e, p: 0.9 * e + 0.1 * p, model, model)
         >>> ema["embed"] is ema["head"]
         True
+        >>> model = {"w": w, "steps": tied.State(jnp.zeros((), jnp.int32))}
+        >>> bumped = tied.map(lambda x: x + 1, model, only="state")   # parameters untouched
+        >>> int(bumped["steps"].value), bumped["w"] is w
+        (1, True)
     """
+    if only not in _ONLY:
+        raise ValueError(
+            f"tied.map(only={only!r}): only is one of {', '.join(repr(o) for o in _ONLY)}: every array, the "
+            "parameters (inexact arrays that are not state), or the state."
+        )
     leaves, gdef = flatten(tree)
     others = []
     for k, r in enumerate(rest):
@@ -82,14 +100,29 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
     def call(path: str, x: Any, ys: list) -> Any:
         return f(path, x, *ys) if with_path else f(x, *ys)
 
+    chosen = _chosen(only, leaves, gdef)
+
     def mapped(i: int) -> Any:
+        if not chosen[i]:
+            return leaves[i]
         return call(first[i] if with_path else "", leaves[i], [o[i] for o in others])
 
     if is_leaf is not None:
         return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
-    if with_path:
-        return unflatten(gdef, [f(p, *xs) for p, *xs in zip(first, leaves, *others)])
-    return unflatten(gdef, [f(*xs) for xs in zip(leaves, *others)])
+    return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
+
+
+_ONLY = ("all", "params", "state")
+
+
+def _chosen(only: str, leaves: list, gdef: GraphDef) -> list[bool]:
+    """For each unique array, whether ``f`` gets it."""
+    if only == "all":
+        return [True] * len(leaves)
+    state = gdef.state_leaves()
+    if only == "state":
+        return list(state)
+    return [is_param(x) and not st for x, st in zip(leaves, state)]
 
 
 def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
@@ -117,22 +150,27 @@ def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
 
     # For each unique array: {the container around a place, or None: (that place, the
     # container's place)}.
-    inside: dict[int, dict[Any, tuple[str, str]]] = {}
-    for p, i in places.leaf_of.items():
+    # The same for every node: a container passed whole that reaches a node also held
+    # outside it (a `.parent` back to the root) would give the result that node twice.
+    inside: dict[tuple[str, int], dict[Any, tuple[str, str]]] = {}
+    for p, kind in places.kind.items():
+        if kind == "static":
+            continue
         q = around(places.steps[p])
-        inside.setdefault(i, {}).setdefault(None if q is None else covers[q], (p, q or ""))
+        what = ("array" if kind == "array" else "container", places.index[p])
+        inside.setdefault(what, {}).setdefault(None if q is None else covers[q], (p, q or ""))
     new = list(leaves)
-    for i, owners in inside.items():
+    for (what, i), owners in inside.items():
         if len(owners) > 1:
             (a, ca), (b, cb) = sorted(owners.values(), key=lambda v: not v[1])[:2]
-            also = f"inside the container at {cb}" if cb else "outside it"
+            also = f"inside the container at {cb or '<root>'}" if cb else "outside it"
             raise ValueError(
                 f"tied.map: is_leaf holds for the container at {ca}, so f gets it whole, but "
-                f"the array at {a} is also at {b}, {also}: f would see the array twice and the "
-                "tie would be cut. Let is_leaf hold for a container that holds every place of "
-                "the array, or for none of them."
+                f"the {what} at {a or '<root>'} is also at {b or '<root>'}, {also}: f would see "
+                f"the {what} twice and the tie would be cut. Let is_leaf hold for a container "
+                f"that holds every place of the {what}, or for none of them."
             )
-        if None in owners:
+        if what == "array" and None in owners:
             new[i] = mapped(i)
     out = unflatten(gdef, new)
     for obj, where in whole.values():

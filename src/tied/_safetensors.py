@@ -38,7 +38,17 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ._manifest import FORMAT, CheckpointError, corrupt, is_int, keystr, nbytes, valid_shape, validate
+from ._manifest import (
+    FORMAT,
+    CheckpointError,
+    corrupt,
+    is_int,
+    keystr,
+    nbytes,
+    pack,
+    valid_shape,
+    validate,
+)
 
 try:  # POSIX: a writer holds a lock on its temporary file, so a cleaner can tell a live save from a dead one
     import fcntl
@@ -180,7 +190,7 @@ def write(path: str | os.PathLike, leaves: Sequence[Any], doc: dict) -> None:
     def header_bytes(sums: Sequence[int]) -> bytes:
         for a, c in zip(arrays, sums):
             a[CHECKSUM] = c
-        full = {**doc, "checksum": CHECKSUM}
+        full = {**pack(doc), "checksum": CHECKSUM}
         meta = {"__metadata__": {"format": FORMAT, FORMAT: json.dumps(full, separators=(",", ":"))}}
         return json.dumps({**meta, **header}, separators=(",", ":"), ensure_ascii=False).encode()
 

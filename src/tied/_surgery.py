@@ -78,19 +78,24 @@ class Places:
         self.steps: dict[str, tuple[str, ...]] = {}
         self.kind: dict[str, str] = {}
         self.index: dict[str, int] = {}
-        open_nodes: list[str] = []  # the path of the open node at each depth
+        # Paths that two places write alike (an attribute named "a.b" beside a.b): their steps.
+        self.alike: dict[str, list[tuple[str, ...]]] = {}
+        open_nodes: list[tuple[str, tuple[str, ...]]] = []  # (path, steps) of the open node at each depth
         for place in walk:
             del open_nodes[place.depth :]
+            if place.depth:
+                parent, parent_steps = open_nodes[place.depth - 1]
+                steps = parent_steps + (place.path[len(parent) :],)
+            else:
+                steps = ()
             if place.path not in self.steps:
-                if place.depth:
-                    parent = open_nodes[place.depth - 1]
-                    self.steps[place.path] = self.steps[parent] + (place.path[len(parent) :],)
-                else:
-                    self.steps[place.path] = ()
+                self.steps[place.path] = steps
                 self.kind[place.path] = place.kind
                 self.index[place.path] = place.index
+            else:  # each place is walked once: a path met again is a second place written alike
+                self.alike.setdefault(place.path, [self.steps[place.path]]).append(steps)
             if place.kind not in _LEAF_KINDS:
-                open_nodes.append(place.path)
+                open_nodes.append((place.path, steps))
         self.leaf_of = {p: i for p, i in self.index.items() if self.kind[p] == "array"}
 
     def nodes(self) -> list[str]:
@@ -113,6 +118,13 @@ class Places:
                 f"{who}: {path!r} is not a place of the model. Nearest valid paths: "
                 f"{', '.join(near) or 'none'}. Paths are written as tied.ties and tied.summary "
                 "print them."
+            )
+        if path in self.alike:
+            shown = " and ".join("(" + ", ".join(repr(k) for k in steps) + ")" for steps in self.alike[path])
+            raise ValueError(
+                f"{who}: {_show(path)} names {len(self.alike[path])} places of the model, whose keys (keystr "
+                f"pieces from the root) are {shown}: an attribute or key whose name holds a '.' or brackets "
+                "is written like a path below it. Rename that attribute so each place has its own path."
             )
         return path
 
@@ -343,21 +355,42 @@ def untie(tree: Any, path: str) -> Any:
     steps = places.steps[path]
     for k in range(len(steps)):
         inner = "".join(steps[:k])
-        group = places.same_object(inner)
-        if len(group) > 1:
-            other = next(q for q in group if q != inner)
+        # A place of the container below itself is a reference back up a cycle (a child's
+        # `.parent`): the same place seen again, not another place sharing it.
+        others = [
+            q for q in places.same_object(inner) if q != inner and not _is_prefix(steps[:k], places.steps[q])
+        ]
+        if others:
             raise ValueError(
                 f"tied.untie: {_show(path)} lies inside {_show(inner)}, a container shared with "
-                f"{', '.join(_show(q) for q in group if q != inner)}, so it is one place with "
-                f"{other}{path[len(inner):]}. Untie the container first: "
+                f"{', '.join(_show(q) for q in others)}, so it is one place with "
+                f"{others[0]}{path[len(inner) :]}. Untie the container first: "
                 f"tied.untie(tree, {inner!r})."
             )
+    _refuse_copying_above(places, path)
     fresh = unflatten(gdef, leaves)
     fresh = put(fresh, steps, deep_copy(get(fresh, steps, places)), places)
     after = Places(flatten(fresh)[1])
     if path and (path not in after.kind or after.same_object(path) != (path,)):
         raise _not_kept("tied.untie", path, "untie it")
     return fresh
+
+
+def _refuse_copying_above(places: Places, path: str) -> None:
+    """A container whose contents reach a container above it (a child's ``.parent``) cannot be
+    copied alone: the copy would hold a copy of the model around it."""
+    steps = places.steps[path]
+    if places.kind[path] in _LEAF_KINDS:
+        return
+    above = {places.index["".join(steps[:k])]: "".join(steps[:k]) for k in range(len(steps))}
+    for q, kind in places.kind.items():
+        if kind not in _LEAF_KINDS and places.index[q] in above and _is_prefix(steps, places.steps[q]):
+            top = above[places.index[q]]
+            raise ValueError(
+                f"tied.untie: the container at {_show(path)} reaches {_show(top)} again at "
+                f"{q} (a reference back up the graph), so a copy of it would copy the model around it. "
+                f"Untie the arrays inside it instead (tied.untie(tree, {path!r} + '.weight'), say)."
+            )
 
 
 def replace(tree: Any, path: str, value: Any) -> Any:
