@@ -29,7 +29,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint
+from . import checkpoint, manager, state
 from . import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -378,6 +378,10 @@ def write_markdown(results: dict, path: Path) -> None:
     lines.append("")
     if "checkpoint" in results:
         lines += checkpoint.report(results["checkpoint"])
+    if "manager" in results:
+        lines += manager.report(results["manager"])
+    if "state" in results:
+        lines += state.report(results["state"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -423,6 +427,10 @@ def main(argv=None) -> dict:
         )
     print("[checkpoint] tied.save/load against safetensors, 0.5 GiB model with a tie", flush=True)
     results["checkpoint"] = checkpoint.main(["--rounds", "3" if args.quick else "7"])
+    print("[manager] tied.CheckpointManager: async save and a step beside it, 0.5 GiB model", flush=True)
+    results["manager"] = manager.main(["--rounds", "3" if args.quick else "7"])
+    print("[state] BatchNorm + Dropout step and KV-cache decode, against state threaded by hand", flush=True)
+    results["state"] = state.main(["--rounds", "3" if args.quick else "15"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

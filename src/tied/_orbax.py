@@ -39,6 +39,11 @@ a byte; Orbax then restores each unique array straight onto ``like``'s sharding
 with its ties. ``like`` may hold ``jax.ShapeDtypeStruct`` leaves with shardings
 (``jax.eval_shape``), so a model too big for one host is never built on one.
 
+`tied.CheckpointManager` (`_manager.py`) stores each step of a training run in
+this same layout (`prepare` gives both the manifest and the arrays to store,
+`load` and `load_metadata` read one step), so ``tied.load`` reads a managed
+directory's latest step.
+
 Arrays of size zero are not given to Orbax (it refuses them): the manifest's
 shape says all there is to know, and `load` creates them empty.
 """
@@ -102,9 +107,7 @@ def _checkpoint_dir(path: str) -> str:
     ocp = _ocp()
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory.")
-    if ocp.step.is_path_temporary(path) or (
-        _is_one_save(path) and not ocp.step.is_path_finalized(path)
-    ):
+    if ocp.step.is_path_temporary(path) or (_is_one_save(path) and not ocp.step.is_path_finalized(path)):
         raise CheckpointError(
             f"{path}: an unfinished save (Orbax's temporary directory): the save that wrote it was "
             "interrupted before Orbax finalised it, so it may hold only part of the shards. Load the "
@@ -184,6 +187,26 @@ def _check_leaf(where: str, path: str, x: Any) -> None:
         ) from None
 
 
+def prepare(where: str, tree: Any, metadata: Mapping[str, Any] | None) -> tuple[dict, dict[str, Any]]:
+    """The manifest of ``tree`` and its arrays to store, ``{manifest name: array}``, all checked.
+
+    Arrays of size zero are left out (the manifest's shape is all there is to
+    know). `save` and `tied.CheckpointManager` store exactly these two items.
+
+    Raises:
+        CheckpointError: an array that is a tracer, deleted or of a dtype Orbax cannot
+            store, or metadata that is not JSON.
+    """
+    leaves, doc = _manifest.describe(tree, metadata)
+    stored = {}
+    for leaf, entry in zip(leaves, doc["arrays"]):
+        _check_leaf(where, entry["places"][0], leaf)
+        if leaf.size:
+            stored[entry["name"]] = leaf
+    doc["storage"] = {"format": FORMAT, "item": _ARRAYS}
+    return doc, stored
+
+
 def save(path: str | os.PathLike, tree: Any, metadata: Mapping[str, Any] | None = None) -> None:
     """Write ``tree`` as a tied Orbax checkpoint directory at ``path`` (called by every process).
 
@@ -218,13 +241,7 @@ def save(path: str | os.PathLike, tree: Any, metadata: Mapping[str, Any] | None 
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
-    leaves, doc = _manifest.describe(tree, metadata)
-    stored = {}
-    for leaf, entry in zip(leaves, doc["arrays"]):
-        _check_leaf(path, entry["places"][0], leaf)
-        if leaf.size:
-            stored[entry["name"]] = leaf
-    doc["storage"] = {"format": FORMAT, "item": _ARRAYS}
+    doc, stored = prepare(path, tree, metadata)
     with _lock:
         _check_target(path)
         done = _entries(path)[0] if os.path.isdir(path) else []
@@ -301,7 +318,7 @@ def _target(where: str, place: str, leaf: Any) -> tuple[Any, bool]:
         return None, False  # uncommitted: restored to the host, then placed as the single-file format does
     if sharding is None:  # a ShapeDtypeStruct without a sharding: as the single-file format places it
         return None, False
-    shape = tuple(leaf.shape)
+    shape = _manifest.stored(leaf)[0]  # a typed key: its key data's shape, the key's own shape last
     problem = None
     if isinstance(sharding, jax.sharding.NamedSharding):
         axes = tuple(sharding.mesh.axis_names)
@@ -345,8 +362,9 @@ def _check_stored(ckpt: str, where: str, item: dict) -> None:
             raise _manifest.corrupt(where, f"the manifest's array {name!r} is not among the stored arrays")
         if got != (tuple(want.shape), np.dtype(want.dtype).name):
             raise _manifest.corrupt(
-                where, f"the manifest describes {name!r} as {tuple(want.shape)} {np.dtype(want.dtype).name}, "
-                f"but Orbax stored {got[0]} {got[1]}"
+                where,
+                f"the manifest describes {name!r} as {tuple(want.shape)} {np.dtype(want.dtype).name}, "
+                f"but Orbax stored {got[0]} {got[1]}",
             )
     extra = sorted(set(stored) - set(item))
     if extra:
@@ -417,7 +435,8 @@ def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
         for i, (leaf, entry, (sharding, as_numpy)) in enumerate(zip(m.like, m.entries, targets)):
             if not np.prod(entry["shape"], dtype=np.int64):
                 continue
-            shape, dtype = tuple(entry["shape"]), np.dtype(leaf.dtype)
+            # A typed key is read as its key data (unsigned integers); `build` makes it a key again.
+            shape, dtype = tuple(entry["shape"]), np.dtype(_manifest.stored(leaf)[1])
             item[entry["name"]] = jax.ShapeDtypeStruct(shape, dtype)
             if as_numpy or sharding is None:
                 restore_args[entry["name"]] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
@@ -431,17 +450,22 @@ def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
             _check_stored(ckpt, where, item)
             try:
                 with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
-                    restored = c.restore(ckpt, args=ocp.args.Composite(**{
-                        _ARRAYS: ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
-                    }))[_ARRAYS]
+                    restored = c.restore(
+                        ckpt,
+                        args=ocp.args.Composite(
+                            **{_ARRAYS: ocp.args.PyTreeRestore(item=item, restore_args=restore_args)}
+                        ),
+                    )[_ARRAYS]
             except Exception as e:
                 raise _unreadable(where, ckpt, e) from e
     arrays: list = [None] * len(m.like)
     for i, (leaf, entry, (sharding, as_numpy)) in enumerate(zip(m.like, m.entries, targets)):
         if i not in order:
-            x = np.zeros(entry["shape"], np.dtype(leaf.dtype))
-            arrays[i] = x if as_numpy else (
-                jax.device_put(x, sharding) if sharding is not None else jax.device_put(x)
+            x = np.zeros(entry["shape"], np.dtype(_manifest.stored(leaf)[1]))
+            arrays[i] = (
+                x
+                if as_numpy
+                else (jax.device_put(x, sharding) if sharding is not None else jax.device_put(x))
             )
             continue
         x = restored.get(entry["name"]) if isinstance(restored, Mapping) else None
