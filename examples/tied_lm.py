@@ -4,7 +4,9 @@
 (a Dense holds (out, in) = (vocab, dim), the embedding's layout). It is one
 parameter: one gradient object stands at both places, summed over both uses,
 and Adam keeps one state for it. A character-level model on the sonnets shipped
-with `tied` (`tied/data/corpus.txt`) for a few seconds.
+with `tied` (`tied/data/corpus.txt`) for a few seconds, then text generated token
+by token with a key/value cache (`tied.nn.KVCache`): one compiled step, whose
+cache writes `tied.jit` carries back into the caller's cache.
 
 Run: python examples/tied_lm.py
 """
@@ -41,6 +43,33 @@ class TiedLM:
     def __call__(self, ids):
         h = self.embed(ids) + self.pos(jnp.arange(ids.shape[-1]))
         return self.head(self.ln(self.block(h)))
+
+    def decode(self, ids, cache):
+        """``self(all_ids)`` at the new positions ``ids`` only; the earlier ones are in ``cache``."""
+        start = cache.position.value
+        h = self.embed(ids) + self.pos(start + jnp.arange(ids.shape[-1]))
+        return self.head(self.ln(self.block.decode(h, cache)))
+
+
+def generate(model, prompt_ids, key, temperature=0.8):
+    """The prompt and sampled tokens up to SEQ, one token per call of one compiled step."""
+    compiles = []
+
+    @tied.jit
+    def step(model, cache, token, key):
+        compiles.append(1)
+        logits = model.decode(token[None], cache)[-1]  # the cache is written in place
+        return jax.random.categorical(key, logits / temperature)
+
+    cache = model.block.attn.cache(SEQ)  # a new sequence, a new cache
+    ids = list(prompt_ids)
+    for i, token in enumerate(ids):
+        nxt = step(model, cache, jnp.int32(token), jax.random.fold_in(key, i))
+    while len(ids) < SEQ:
+        ids.append(int(nxt))
+        if len(ids) < SEQ:
+            nxt = step(model, cache, jnp.int32(ids[-1]), jax.random.fold_in(key, len(ids)))
+    return ids, len(compiles)
 
 
 def loss_fn(model, ids, targets):
@@ -82,14 +111,22 @@ def main(steps: int = 150, seed: int = 0, verbose: bool = True) -> dict:
         model, state, loss = step(model, state, *batch(jax.random.fold_in(data_key, i)))
     after = float(evaluate(model, *eval_batch))
     still_tied = model.head.weight is model.embed.weight
-    say(f"loss: {before:.3f} -> {after:.3f} nats/char after {steps} steps "
-        f"(uniform guessing: {np.log(len(chars)):.3f})")
+    say(
+        f"loss: {before:.3f} -> {after:.3f} nats/char after {steps} steps "
+        f"(uniform guessing: {np.log(len(chars)):.3f})"
+    )
     say("after training, model.head.weight is model.embed.weight:", still_tied)
+    prompt = "Shall I "
+    ids, compiles = generate(model, [chars.index(c) for c in prompt], jax.random.key(seed + 1))
+    text = "".join(chars[i] for i in ids)
+    say(f"generated with a KV cache ({compiles} compile): {text!r}")
     return {
         "loss_before": before,
         "loss_after": after,
         "one_gradient": one_gradient,
         "still_tied": still_tied,
+        "text": text,
+        "generate_compiles": compiles,
         "model": model,
     }
 

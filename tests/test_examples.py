@@ -25,6 +25,7 @@ def test_every_example_is_tested():
     tested.add("optax_by_path")  # run by tests/test_optim.py
     tested.add("flax_nnx_interop")
     tested.add("multihost")  # run as 2 local processes by tests/test_multiprocess.py
+    tested.add("cnn_batchnorm")
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -70,6 +71,7 @@ def test_tied_lm():
     r = load("tied_lm").main(verbose=False)
     assert r["one_gradient"] and r["still_tied"]
     assert r["loss_after"] < r["loss_before"] - 1.0
+    assert r["text"].startswith("Shall I ") and len(r["text"]) == 32 and r["generate_compiles"] == 1
 
 
 def test_siamese():
@@ -101,3 +103,11 @@ def test_flax_nnx_interop_tied_agrees_with_nnx_plain_jax_breaks_the_tie():
     assert r["total_gap"] < 1e-5 and r["agree_with_nnx"] < 1e-4
     assert r["plain_broken"]
     assert r["loss_after"] < r["loss_before"] / 10
+
+
+def test_cnn_batchnorm_shared_block_statistics_and_modes():
+    r = load("cnn_batchnorm").main(verbose=False)
+    assert r["shared"] and r["eval_shares_state"] and r["eval_counted_nothing"]
+    assert r["updates"] == 2 * 150  # the shared BatchNorm moves twice per step
+    assert r["dropout_draws"] == 150
+    assert r["acc_eval"] >= 0.85 and r["acc_eval_train_set"] >= 0.85

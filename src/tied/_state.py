@@ -147,7 +147,7 @@ class State:
         >>> count(model); count(model)
         >>> int(steps.value), model["b"]["steps"] is steps
         (2, True)
-        >>> tied.grad(lambda m: (m["a"]["w"] ** 2).sum())(model)["a"]["steps"] is None
+        >>> tied.grad(lambda m: (m["a"]["w"] ** 2).sum())(model)["a"]["steps"].value is None
         True
     """
 

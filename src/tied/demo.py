@@ -12,7 +12,8 @@ out; about 45 KB). Two kinds of sharing:
 
 It prints the model summary (parameters counted once and per place, the tie
 groups), trains with Adam under `tied.jit` with a progress bar, then shows the
-loss before and after, sampled text, the memory of gradients plus optimiser
+loss before and after, text sampled token by token with a key/value cache per
+layer (`KVCache`; one compiled step), the memory of gradients plus optimiser
 state against a per-place representation, and checks in words that every tie
 still holds. Into ``--out`` it writes the loss curve (``loss.png``), the
 checkpoint (``checkpoint.safetensors``, reloaded and checked), the summary
@@ -39,7 +40,7 @@ import optax
 
 import tied
 
-from .nn import Dense, Embedding, LayerNorm, TransformerBlock
+from .nn import Dense, Embedding, KVCache, LayerNorm, TransformerBlock
 
 DIM, HEADS, BLOCKS, REPEAT, SEQ, BATCH = 64, 4, 2, 2, 64, 32
 DEFAULT_STEPS = 1200
@@ -53,8 +54,17 @@ class CharTransformer:
     """Token + position embeddings, ``blocks`` (each unique block at ``repeat`` places),
     a final LayerNorm, and an output head that is the token embedding."""
 
-    def __init__(self, vocab: int, *, key: Any, dim: int = DIM, heads: int = HEADS,
-                 blocks: int = BLOCKS, repeat: int = REPEAT, seq: int = SEQ):
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        key: Any,
+        dim: int = DIM,
+        heads: int = HEADS,
+        blocks: int = BLOCKS,
+        repeat: int = REPEAT,
+        seq: int = SEQ,
+    ):
         keys = jax.random.split(key, blocks + 2)
         self.embed = Embedding(vocab, dim, key=keys[0])
         self.pos = Embedding(seq, dim, key=keys[1])
@@ -67,6 +77,20 @@ class CharTransformer:
         h = self.embed(ids) + self.pos(jnp.arange(ids.shape[-1]))
         for block in self.blocks:
             h = block(h)
+        return self.head(self.ln(h))
+
+    def caches(self, batch_shape: tuple = ()) -> list[KVCache]:
+        """Empty key/value caches for `decode`: one per layer *place* (a block at two
+        layers has one set of weights but sees two sequences of keys)."""
+        return [block.attn.cache(self.pos.weight.shape[0], batch_shape) for block in self.blocks]
+
+    def decode(self, ids: Any, caches: list[KVCache]) -> Any:
+        """Logits for the next positions ``ids`` (``(..., seq)``), the earlier positions
+        read from ``caches``, which advance by ``seq``: ``self(all_ids)`` at those rows."""
+        start = caches[0].position.value
+        h = self.embed(ids) + self.pos(start + jnp.arange(ids.shape[-1]))
+        for block, cache in zip(self.blocks, caches):
+            h = block.decode(h, cache)
         return self.head(self.ln(h))
 
 
@@ -135,18 +159,34 @@ def _condensed(summary: str, depth: int = 2) -> str:
     return "\n".join(out)
 
 
-def _sample(logits_at: Any, model: Any, prompt: str, chars: list[str], key: Any,
-            length: int = 70, temperature: float = 0.7) -> str:
+def _generator(temperature: float = 0.7) -> Any:
+    """One compiled step of generation with the key/value caches: feed one token, get the
+    next one sampled. The caches are written in place (`tied.jit` writes state back), so
+    the same step serves the prompt and the continuation, and compiles once."""
+    traces = []
+
+    @tied.jit
+    def step(model: Any, caches: list, token: Any, key: Any) -> Any:
+        traces.append(1)
+        logits = model.decode(token[None], caches)[-1]
+        return jax.random.categorical(key, logits / temperature)
+
+    step.traces = traces
+    return step
+
+
+def _sample(step: Any, model: Any, prompt: str, chars: list[str], key: Any) -> str:
+    """The prompt followed by sampled characters, up to the model's context (its positions)."""
     index = {c: i for i, c in enumerate(chars)}
-    ids = [index[c] for c in prompt if c in index]
-    for i in range(length):
-        window = ids[-SEQ:]
-        padded = jnp.asarray([window + [0] * (SEQ - len(window))], dtype=jnp.int32)
-        logits = logits_at(model, padded, jnp.int32(len(window) - 1))  # traced, not static
-        nxt = int(jax.random.categorical(jax.random.fold_in(key, i), logits / temperature))
-        ids.append(nxt)
-        if chars[nxt] == "\n" and i > length // 2:
-            break
+    context = model.pos.weight.shape[0]
+    ids = [index[c] for c in prompt if c in index][: context - 1]
+    caches = model.caches()  # a new sequence: new, empty caches
+    for i, token in enumerate(ids):  # the prompt, one token at a time
+        nxt = step(model, caches, jnp.int32(token), jax.random.fold_in(key, i))
+    while len(ids) < context:
+        ids.append(int(nxt))
+        if len(ids) < context:
+            nxt = step(model, caches, jnp.int32(ids[-1]), jax.random.fold_in(key, len(ids)))
     return "".join(chars[i] for i in ids)
 
 
@@ -189,7 +229,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the demo; returns the figures it printed (losses, ties, memory, files)."""
-    from tqdm.auto import tqdm
+    try:
+        import matplotlib  # noqa: F401 - for the loss curve, at the end
+        from tqdm.auto import tqdm
+    except ImportError as e:
+        missing = (e.name or "tqdm").split(".")[0]
+        raise ImportError(
+            f"python -m tied.demo needs {missing}, from the 'demo' extra: pip install 'tied[demo]' "
+            "(or run make demo, which installs it)."
+        ) from e
 
     args = _parse(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -200,9 +248,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chars = sorted(set(text))
     train, held = _split(np.array([chars.index(c) for c in text], dtype=np.int32))
     print("tied demo: a character-level transformer whose output head is its input embedding")
-    print(f"corpus: tied/{CORPUS}, {len(text):,} characters of public-domain poems and speeches "
-          f"(Shakespeare, Poe, Keats, Lincoln, ...), {len(chars)} distinct characters; every "
-          f"tenth stretch of {HELD_OUT_CHUNK:,} characters is held out\n")
+    print(
+        f"corpus: tied/{CORPUS}, {len(text):,} characters of public-domain poems and speeches "
+        f"(Shakespeare, Poe, Keats, Lincoln, ...), {len(chars)} distinct characters; every "
+        f"tenth stretch of {HELD_OUT_CHUNK:,} characters is held out\n"
+    )
 
     # ---- the model and what tied sees in it
     key_model, key_data, key_sample = jax.random.split(jax.random.key(args.seed), 3)
@@ -214,8 +264,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(_condensed(summary))
     unique, per_place = tied.param_count(model), tied.param_count(model, per_place=True)
     groups = tied.ties(model)
-    print(f"\nparameters: {unique:,} unique, {per_place:,} counted per place "
-          f"(the ties save {1 - unique / per_place:.0%})")
+    print(
+        f"\nparameters: {unique:,} unique, {per_place:,} counted per place "
+        f"(the ties save {1 - unique / per_place:.0%})"
+    )
     print(f"tie groups ({len(groups)}):")
     for g in groups:
         print("  " + " = ".join(g))
@@ -223,15 +275,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- training
     tx = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1),
-                                                       args.steps, 3e-4), weight_decay=0.01),
+        optax.adamw(
+            optax.warmup_cosine_decay_schedule(0.0, 3e-3, min(100, args.steps // 10 + 1), args.steps, 3e-4),
+            weight_decay=0.01,
+        ),
     )
     state = tied.optim.setup(tx, model)
 
     @jax.jit
     def batch(i: Any) -> tuple[Any, Any]:
-        starts = jax.random.randint(jax.random.fold_in(key_data, i), (BATCH,), 0,
-                                    train.shape[0] - SEQ - 1)
+        starts = jax.random.randint(jax.random.fold_in(key_data, i), (BATCH,), 0, train.shape[0] - SEQ - 1)
         return _windows(train, starts)
 
     @tied.jit
@@ -247,14 +300,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return float(evaluate(m, *fixed_train)), float(evaluate(m, *fixed_held))
 
     before = eval_both(model)
-    print(f"\nloss before training: {before[0]:.3f} on fixed training windows, {before[1]:.3f} on "
-          f"held-out text (uniform guessing: {np.log(len(chars)):.3f} nats per character)")
+    print(
+        f"\nloss before training: {before[0]:.3f} on fixed training windows, {before[1]:.3f} on "
+        f"held-out text (uniform guessing: {np.log(len(chars)):.3f} nats per character)"
+    )
     eval_every = max(args.steps // 10, 1)
     losses: list = []
     evals = [(0, *before)]
     grads = None
-    bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True,
-               mininterval=0.5)
+    bar = tqdm(range(1, args.steps + 1), desc="training", unit="step", dynamic_ncols=True, mininterval=0.5)
     for i in bar:
         model, state, loss, grads = step(model, state, *batch(i))
         losses.append(loss)
@@ -266,40 +320,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     after = eval_both(model)
     evals.append((args.steps, *after))
     losses_np = np.asarray(jnp.stack(losses))
-    print(f"loss after {args.steps} steps: {after[0]:.3f} on fixed training windows (was "
-          f"{before[0]:.3f}), {after[1]:.3f} on held-out text (was {before[1]:.3f})")
+    print(
+        f"loss after {args.steps} steps: {after[0]:.3f} on fixed training windows (was "
+        f"{before[0]:.3f}), {after[1]:.3f} on held-out text (was {before[1]:.3f})"
+    )
 
     # ---- samples
-    logits_at = tied.jit(lambda m, ids, pos: m(ids)[0, pos])
-    print("\nsampled text (temperature 0.7):")
+    generate_step = _generator(0.7)
+    print(
+        f"\nsampled text (temperature 0.7; token by token with a key/value cache per layer, up to "
+        f"{SEQ} characters):"
+    )
     samples = []
     for j, prompt in enumerate(PROMPTS):
-        s = _sample(logits_at, model, prompt, chars, jax.random.fold_in(key_sample, j))
+        s = _sample(generate_step, model, prompt, chars, jax.random.fold_in(key_sample, j))
         samples.append(s)
         print("  | " + s.rstrip("\n").replace("\n", "\n  | "))
 
     # ---- memory: gradients + optimiser state, tied vs one array per place
     mem = _memory(model, grads, state, tx)
     print("\nmemory of gradients + Adam state:")
-    print(f"  tied (one gradient and one state per unique parameter): {_mb(mem['tied'])} "
-          f"= {mem['tied'] / mem['params']:.2f} x the parameters")
-    print(f"  one array per place (a plain pytree, as jax.grad + optax see it): "
-          f"{_mb(mem['per_place'])} = {mem['per_place'] / mem['params']:.2f} x the parameters")
+    print(
+        f"  tied (one gradient and one state per unique parameter): {_mb(mem['tied'])} "
+        f"= {mem['tied'] / mem['params']:.2f} x the parameters"
+    )
+    print(
+        f"  one array per place (a plain pytree, as jax.grad + optax see it): "
+        f"{_mb(mem['per_place'])} = {mem['per_place'] / mem['params']:.2f} x the parameters"
+    )
 
     # ---- ties, checked by identity
     head_is_embedding = model.head.weight is model.embed.weight
-    blocks_shared = all(
-        model.blocks[i] is model.blocks[i % BLOCKS] for i in range(len(model.blocks))
-    )
+    blocks_shared = all(model.blocks[i] is model.blocks[i % BLOCKS] for i in range(len(model.blocks)))
     same_groups = tied.ties(model) == groups
     grads_aliased = grads.head.weight is grads.embed.weight
     print("\nties after training, checked with `is`:")
-    print(f"  the output head still is the input embedding (model.head.weight is "
-          f"model.embed.weight): {'yes' if head_is_embedding else 'NO'}")
-    print(f"  each block is still one object at its {REPEAT} layers (model.blocks[{BLOCKS}] is "
-          f"model.blocks[0], ...): {'yes' if blocks_shared else 'NO'}")
-    print(f"  the gradient of the head is the gradient of the embedding (one object): "
-          f"{'yes' if grads_aliased else 'NO'}")
+    print(
+        f"  the output head still is the input embedding (model.head.weight is "
+        f"model.embed.weight): {'yes' if head_is_embedding else 'NO'}"
+    )
+    print(
+        f"  each block is still one object at its {REPEAT} layers (model.blocks[{BLOCKS}] is "
+        f"model.blocks[0], ...): {'yes' if blocks_shared else 'NO'}"
+    )
+    print(
+        f"  the gradient of the head is the gradient of the embedding (one object): "
+        f"{'yes' if grads_aliased else 'NO'}"
+    )
     print(f"  the tie groups are those of the untrained model: {'yes' if same_groups else 'NO'}")
 
     # ---- files
@@ -307,8 +374,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     files["loss_curve"] = os.path.join(args.out, "loss.png")
     _plot(files["loss_curve"], losses_np, evals)
     files["checkpoint"] = os.path.join(args.out, "checkpoint.safetensors")
-    tied.save(files["checkpoint"], {"model": model, "opt_state": state},
-              metadata={"steps": args.steps, "seed": args.seed, "vocabulary": "".join(chars)})
+    tied.save(
+        files["checkpoint"],
+        {"model": model, "opt_state": state},
+        metadata={"steps": args.steps, "seed": args.seed, "vocabulary": "".join(chars)},
+    )
     back = tied.load(files["checkpoint"], like={"model": model, "opt_state": state})["model"]
     reloaded_ok = back.head.weight is back.embed.weight and bool(
         jnp.array_equal(back.embed.weight, model.embed.weight)
@@ -323,8 +393,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tied.render_dot(dot, files["dag"])
         files["dag_png"] = os.path.join(args.out, "model.png")
         tied.render_dot(dot, files["dag_png"])
-    print(f"\nthe checkpoint reloads with its ties (back.head.weight is back.embed.weight): "
-          f"{'yes' if reloaded_ok else 'NO'}")
+    print(
+        f"\nthe checkpoint reloads with its ties (back.head.weight is back.embed.weight): "
+        f"{'yes' if reloaded_ok else 'NO'}"
+    )
     print("files:")
     for name, path in files.items():
         print(f"  {name:11s} {path}")
@@ -339,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "held_out_after": after[1],
         "losses": losses_np,
         "samples": samples,
+        "generation_compiles": len(generate_step.traces),
         "unique_params": unique,
         "per_place_params": per_place,
         "tie_groups": groups,
@@ -351,4 +424,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ImportError as e:
+        if "'demo' extra" not in str(e):
+            raise
+        sys.exit(f"error: {e}")

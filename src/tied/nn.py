@@ -12,6 +12,10 @@ explicit ``key``. Layers read their arrays through `tied.materialize`, so any
 array place may hold a `tied.view` (``Dense(tied.transpose(enc.weight))``),
 eagerly and under `tied.grad`/`tied.jit` alike.
 
+Layers with state (`BatchNorm`'s running statistics, `Dropout`'s random stream, a
+decoder's `KVCache`) hold it as `tied.State`, and those with a train/eval behaviour
+have a static ``training`` flag, set for a whole model by `mode`.
+
 Examples:
     >>> import jax, jax.numpy as jnp, tied
     >>> enc = tied.nn.Dense(8, 3, key=jax.random.key(0))
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._graph import register
+from ._nn_state import BatchNorm, Conv2d, Dropout, KVCache, RMSNorm, _attend_cached, mode
 from ._view import View, materialize
 
 __all__ = [
@@ -46,7 +51,18 @@ __all__ = [
     "CausalSelfAttention",
     "MLP",
     "TransformerBlock",
+    "BatchNorm",
+    "Dropout",
+    "Conv2d",
+    "RMSNorm",
+    "KVCache",
+    "mode",
 ]
+
+
+def __dir__() -> list[str]:
+    # the public names only (not the helpers and modules imported here)
+    return sorted(__all__)
 
 
 def _is_size(x: Any) -> bool:
@@ -132,9 +148,7 @@ class Dense:
             wkey, bkey = jax.random.split(key)
             lim = 1.0 / math.sqrt(n_in)
             self.weight = jax.random.uniform(wkey, (n_out, n_in), minval=-lim, maxval=lim)
-            self.bias = (
-                jax.random.uniform(bkey, (n_out,), minval=-lim, maxval=lim) if use_bias else None
-            )
+            self.bias = jax.random.uniform(bkey, (n_out,), minval=-lim, maxval=lim) if use_bias else None
         elif _is_arraylike(in_or_weight):
             if key is not None:
                 raise TypeError(
@@ -147,9 +161,7 @@ class Dense:
                     f"{_shape(in_or_weight)}."
                 )
             if out_or_bias is not None and not _is_arraylike(out_or_bias):
-                raise TypeError(
-                    f"Dense(weight, bias): bias must be an array or None, got {out_or_bias!r}."
-                )
+                raise TypeError(f"Dense(weight, bias): bias must be an array or None, got {out_or_bias!r}.")
             if out_or_bias is not None and _shape(out_or_bias) != _shape(in_or_weight)[:1]:
                 raise ValueError(
                     f"Dense(weight, bias): bias must have shape (out,) = "
@@ -332,9 +344,7 @@ class LayerNorm:
     bias: Any
     eps: float
 
-    def __init__(
-        self, dim: int, *, eps: float = 1e-5, use_weight: bool = True, use_bias: bool = True
-    ):
+    def __init__(self, dim: int, *, eps: float = 1e-5, use_weight: bool = True, use_bias: bool = True):
         self.weight = jnp.ones((dim,)) if use_weight else None
         self.bias = jnp.zeros((dim,)) if use_bias else None
         self.eps = float(eps)
@@ -387,9 +397,7 @@ class CausalSelfAttention:
 
     def __init__(self, dim: int, num_heads: int, *, key: Any, use_bias: bool = True):
         if dim % num_heads:
-            raise ValueError(
-                f"CausalSelfAttention: dim={dim} is not a multiple of num_heads={num_heads}."
-            )
+            raise ValueError(f"CausalSelfAttention: dim={dim} is not a multiple of num_heads={num_heads}.")
         k1, k2 = jax.random.split(key)
         self.qkv = Dense(dim, 3 * dim, key=k1, use_bias=use_bias)
         self.proj = Dense(dim, dim, key=k2, use_bias=use_bias)
@@ -406,6 +414,25 @@ class CausalSelfAttention:
         weights = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("...hqk,...khd->...qhd", weights, v).reshape(*lead, seq, dim)
         return self.proj(out)
+
+    def decode(self, x: Any, cache: KVCache) -> Any:
+        """The next positions of a sequence whose earlier keys and values are in ``cache``.
+
+        ``x`` is ``(..., seq, dim)``, the new positions only (``seq`` is 1 when generating
+        token by token); their keys and values are written into ``cache`` (a `KVCache`)
+        and its position advances by ``seq``. The result equals the rows of ``self(x_all)``
+        for those positions, where ``x_all`` is the whole sequence so far. Shapes never
+        change, so a decode step compiles once under `tied.jit`.
+        """
+        *lead, seq, dim = x.shape
+        heads = self.num_heads
+        q, k, v = (t.reshape(*lead, seq, heads, dim // heads) for t in jnp.split(self.qkv(x), 3, -1))
+        return self.proj(_attend_cached(q, k, v, cache).reshape(*lead, seq, dim))
+
+    def cache(self, max_len: int, batch_shape: tuple = (), dtype: Any = jnp.float32) -> KVCache:
+        """A new, empty `KVCache` for `decode`, with room for ``max_len`` positions."""
+        dim = self.proj.out_size
+        return KVCache(max_len, self.num_heads, dim // self.num_heads, batch_shape=batch_shape, dtype=dtype)
 
     def __repr__(self) -> str:
         return f"CausalSelfAttention({self.proj.out_size}, heads={self.num_heads})"
@@ -483,6 +510,12 @@ class TransformerBlock:
 
     def __call__(self, x: Any) -> Any:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: Any, cache: KVCache) -> Any:
+        """``self(x)`` for the next positions only, the earlier ones read from ``cache``
+        (see `CausalSelfAttention.decode`)."""
+        x = x + self.attn.decode(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
     def __repr__(self) -> str:
