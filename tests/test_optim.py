@@ -183,10 +183,14 @@ def test_state_holds_no_parameter_arrays_seed_model():
         assert sum(a.size for a in floats) == 2 * 6
         model_arrays = tied.flatten(c)[0]
         assert not any(a is p for a in leaves for p in model_arrays)
-        assert set(state.inner_state[0].mu) == set(state.inner_state[0].nu) == {
-            ".layers[0].weight",
-            ".layers[0].bias",
-        }
+        assert (
+            set(state.inner_state[0].mu)
+            == set(state.inner_state[0].nu)
+            == {
+                ".layers[0].weight",
+                ".layers[0].bias",
+            }
+        )
         c, state = tied.optim.update(state, c, tied.grad(lambda m: m(x).sum())(c))
         assert c.layers[0].weight is c.layers[1].weight
 
@@ -242,8 +246,9 @@ def test_adam_on_random_sharing_patterns_matches_optax_by_hand(model):
         m, state = tied.optim.update(state, m, tied.grad(loss)(m))
         for (path, x), (_, y) in zip(places(model), places(m)):
             if is_param(x):
-                np.testing.assert_allclose(np.asarray(y), np.asarray(ref[first[id(x)]]), atol=1e-5,
-                                           err_msg=path)
+                np.testing.assert_allclose(
+                    np.asarray(y), np.asarray(ref[first[id(x)]]), atol=1e-5, err_msg=path
+                )
         assert sharing_groups(m, is_param) == sharing_groups(model, is_param)
         assert_states_close(state.inner_state, rs)
 
@@ -302,8 +307,11 @@ def test_aliased_by_hand_is_refused_under_auto():
     m = make_model()
     g, _ = conventions(m)["aliased by hand"]
     state = tied.optim.setup(optax.sgd(0.1), m)
-    with pytest.raises(ValueError, match=r"^\.layers\[0\]\.weight: the gradient holds one array object "
-                       r"at 3 places.*convention='partials'.*convention='total'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^\.layers\[0\]\.weight: the gradient holds one array object "
+        r"at 3 places.*convention='partials'.*convention='total'",
+    ):
         tied.optim.update(state, m, g)
 
 
@@ -320,8 +328,11 @@ def test_plain_jax_grad_aliased_cotangent_steps_the_full_total():
     total = untied["a"] + untied["b"]
     np.testing.assert_allclose(total, 2 * np.ones(3))
     state = tied.optim.setup(optax.sgd(0.1), m)
-    with pytest.raises(ValueError, match=r"^\['a'\]: the gradient holds one array object at 2 places.*"
-                       r"convention='partials' for plain jax.grad output"):
+    with pytest.raises(
+        ValueError,
+        match=r"^\['a'\]: the gradient holds one array object at 2 places.*"
+        r"convention='partials' if each place got its own use's gradient",
+    ):
         tied.optim.update(state, m, g)
     m1, _ = tied.optim.update(state, m, g, convention="partials")
     assert m1["a"] is m1["b"]
@@ -363,8 +374,7 @@ def test_global_norm_clipping_sees_each_total_once():
     want = ref_run(tx, 1)[0][0]
     totals = ref_totals(p)
     assert float(optax.tree.norm(totals)) > 0.05  # clipping is active
-    for g, conv in [(tied.grad(loss_fn)(m), "auto"),
-                    (tied.grad(loss_fn, per_location=True)(m), "auto")]:
+    for g, conv in [(tied.grad(loss_fn)(m), "auto"), (tied.grad(loss_fn, per_location=True)(m), "auto")]:
         m1, _ = tied.optim.update(tied.optim.setup(tx, m), m, g, convention=conv)
         assert_close(as_dict(m1), want, atol=1e-6)
     # A per-place norm (each partial once, as plain jax.grad gives) would clip differently.
@@ -386,12 +396,20 @@ def test_model_that_does_not_line_up_is_refused_naming_the_path():
     fix = r".*tied\.optim\.setup\(tx, model\)"
     # fewer parameters: the state's head is missing
     small = Chain(m.layers[0], m.layers[1])
-    _refused(state, small, r"^\.layers\[3\]\.weight: the optimiser state has a parameter here, but the "
-             r"model has no array here" + fix)
+    _refused(
+        state,
+        small,
+        r"^\.layers\[3\]\.weight: the optimiser state has a parameter here, but the "
+        r"model has no array here" + fix,
+    )
     # more parameters: a new layer
     big = Chain(*m.layers, Dense(jnp.ones((2, 2)), jnp.zeros(2)))
-    _refused(state, big, r"^\.layers\[4\]\.weight: the model has a trainable parameter here that the "
-             r"optimiser state was not set up for")
+    _refused(
+        state,
+        big,
+        r"^\.layers\[4\]\.weight: the model has a trainable parameter here that the "
+        r"optimiser state was not set up for",
+    )
     # a shape, a dtype
     other = make_model()
     other.layers[3].weight = jnp.zeros((3, 4))
@@ -402,8 +420,12 @@ def test_model_that_does_not_line_up_is_refused_naming_the_path():
     # a tie cut, and a tie made
     cut = make_model()
     cut.layers[1].weight = jnp.array(cut.layers[1].weight)
-    _refused(state, cut, r"^\.layers\[0\]\.weight: the optimiser state was set up for a parameter at the "
-             r"places \['\.layers\[0\]\.weight', '\.layers\[1\]\.weight'.*a tie was made or cut")
+    _refused(
+        state,
+        cut,
+        r"^\.layers\[0\]\.weight: the optimiser state was set up for a parameter at the "
+        r"places \['\.layers\[0\]\.weight', '\.layers\[1\]\.weight'.*a tie was made or cut",
+    )
     made = make_model()
     made.layers[1].bias = made.layers[0].bias
     _refused(state, made, r"^\.layers\[0\]\.bias: .*places .*a tie was made or cut")
@@ -531,8 +553,10 @@ def _frozen_reference(state, m, tx, frozen_key, steps):
     """Optax by hand on the parameters other than ``frozen_key``, from the state's moments."""
     rest = [k for k in NAMES if k != frozen_key]
     adam = state.inner_state[0]
-    rs = (adam._replace(mu={k: adam.mu[k] for k in rest}, nu={k: adam.nu[k] for k in rest}),
-          optax.EmptyState())
+    rs = (
+        adam._replace(mu={k: adam.mu[k] for k in rest}, nu={k: adam.nu[k] for k in rest}),
+        optax.EmptyState(),
+    )
     p = {k: as_dict(m)[k] for k in rest}
     fixed = as_dict(m)[frozen_key]
     out = []
@@ -621,13 +645,19 @@ def test_freeze_by_view_and_errors():
     m3, _ = tied.optim.update(state, m, tied.grad(lambda m: m(x).sum())(m))
     assert m3.layers[1].weight.source is m3.layers[0].weight
     assert m3.layers[0].weight is not enc.weight
-    with pytest.raises(ValueError, match=r"freeze: argument 0 is an array, but the optimiser state holds "
-                       r"no parameter arrays.*model=model.*'\.layers\[0\]\.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"freeze: argument 0 is an array, but the optimiser state holds "
+        r"no parameter arrays.*model=model.*'\.layers\[0\]\.weight'",
+    ):
         tied.optim.freeze(state, enc.weight)
     with pytest.raises(ValueError, match=r"freeze: argument 0 \(ArrayImpl of shape \(3, 2\).*identity"):
         tied.optim.freeze(state, jnp.ones((3, 2)), model=m)
-    with pytest.raises(ValueError, match=r"thaw: argument 1 \('\.layers\[0\]\.wieght'\) is not a place.*"
-                       r"Nearest places: '\.layers\[0\]\.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"thaw: argument 1 \('\.layers\[0\]\.wieght'\) is not a place.*"
+        r"Nearest places: '\.layers\[0\]\.weight'",
+    ):
         tied.optim.thaw(state, ".layers[0].bias", ".layers[0].wieght")
     with pytest.raises(TypeError, match=r"freeze: argument 0 is a int"):
         tied.optim.freeze(state, 3)
@@ -671,8 +701,14 @@ def _norm_loss(p, stats):
 
 
 def _norm_dict(m):
-    return dict(dw=m.layers[0].weight, db=m.layers[0].bias, n1=m.layers[1].weight,
-                n2=m.layers[3].weight, hw=m.layers[4].weight, hb=m.layers[4].bias)
+    return dict(
+        dw=m.layers[0].weight,
+        db=m.layers[0].bias,
+        n1=m.layers[1].weight,
+        n2=m.layers[3].weight,
+        hw=m.layers[4].weight,
+        hb=m.layers[4].bias,
+    )
 
 
 def test_trainable_keeps_a_running_buffer_fixed_under_adam_for_ten_steps():
@@ -701,8 +737,9 @@ def test_trainable_keeps_a_running_buffer_fixed_under_adam_for_ten_steps():
     # a full gradient (the buffer has one) changes nothing for it either
     m2, _ = tied.optim.update(state, m, tied.grad(loss)(m))
     assert m2.layers[1].running_mean is stats and m2.layers[3].running_mean is stats
-    assert all(".running_mean" not in jax.tree_util.keystr(k)
-               for k, _ in jax.tree_util.tree_leaves_with_path(state))
+    assert all(
+        ".running_mean" not in jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)
+    )
 
 
 def test_trainable_holds_at_any_place_and_must_return_a_bool():
@@ -1023,7 +1060,11 @@ def test_example_optax_by_path():
     r = module.main(steps=60, verbose=False)
     assert r["keys"] == [".embed.weight", ".ln.weight", ".ln.bias", ".mlp.weight", ".mlp.bias"]
     assert module.decay_mask(dict.fromkeys(r["keys"])) == {
-        ".embed.weight": True, ".ln.weight": False, ".ln.bias": False, ".mlp.weight": True, ".mlp.bias": False
+        ".embed.weight": True,
+        ".ln.weight": False,
+        ".ln.bias": False,
+        ".mlp.weight": True,
+        ".mlp.bias": False,
     }
     assert r["tied"] and r["buffer_kept"] and r["frozen_kept"] and r["embed_moved"]
     assert r["loss_after"] < r["loss_before"] / 3
@@ -1048,3 +1089,268 @@ def test_update_keeps_a_static_field_bit_for_bit_whatever_was_seen_before():
         assert np.signbit(model["s"]) and type(model["s"]) is float
         assert [type(k) for k in model] == [str, str, float]
         assert model["w"] is model[1.0]
+
+
+# ---------------------------------------------------------------- freezing by prefix, node, tied.under
+
+
+def _dense(seed: int, n_in: int = 3, n_out: int = 3) -> Dense:
+    k = jax.random.split(jax.random.key(seed), 2)
+    return Dense(
+        0.5 * jax.random.normal(k[0], (n_out, n_in)), 0.1 * jax.random.normal(k[1], (n_out,)), jnp.tanh
+    )
+
+
+X3 = jax.random.normal(jax.random.key(7), (5, 3))
+
+
+def _shared_then_head():
+    """Chain(d, d, head): d is one node at .layers[0] and .layers[1]."""
+    d, head = _dense(1), _dense(2, 3, 2)
+    return Chain(d, d, head), d, head
+
+
+def _chain_loss(m):
+    return jnp.sum(m(X3) ** 2)
+
+
+def _head_reference(d, head, tx, steps):
+    """Adam on the head alone, d fixed: plain jax.grad of the loss written out by hand."""
+
+    def f(hw, hb):
+        h = jnp.tanh(jnp.tanh(X3 @ d.weight.T + d.bias) @ d.weight.T + d.bias)
+        return jnp.sum(jnp.tanh(h @ hw.T + hb) ** 2)
+
+    p = {"w": head.weight, "b": head.bias}
+    s = tx.init(p)
+    for _ in range(steps):
+        gw, gb = jax.grad(f, argnums=(0, 1))(p["w"], p["b"])
+        u, s = tx.update({"w": gw, "b": gb}, s, p)
+        p = optax.apply_updates(p, u)
+    return p
+
+
+@pytest.mark.parametrize("where", [".layers[1]", ".layers[0]", ".layers[1].weight+.layers[1].bias", "node"])
+def test_freeze_a_whole_shared_layer_by_any_place_or_by_the_node_with_adam(where):
+    tx = optax.adam(0.05)
+    m, d, head = _shared_then_head()
+    state = tied.optim.setup(tx, m)
+    if where == "node":
+        state = tied.optim.freeze(state, m.layers[1], model=m)
+    else:
+        state = tied.optim.freeze(state, *where.split("+"))
+    assert sorted(state.frozen) == [".layers[0].bias", ".layers[0].weight"]
+    cur = m
+    for _ in range(3):
+        cur, state = tied.optim.update(state, cur, tied.grad(_chain_loss)(cur))
+    assert cur.layers[0] is cur.layers[1]
+    assert cur.layers[0].weight is d.weight and cur.layers[1].bias is d.bias  # not moved
+    want = _head_reference(d, head, tx, 3)
+    np.testing.assert_allclose(cur.layers[2].weight, want["w"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cur.layers[2].bias, want["b"], rtol=1e-5, atol=1e-6)
+    thawed = tied.optim.thaw(state, ".layers[1]")
+    assert thawed.frozen == {}
+
+
+def test_freeze_any_place_below_shared_nodes_issue_17_point_10():
+    d = _dense(3)
+    c = Chain(d, d)
+    state = tied.optim.setup(optax.adam(0.1), c)
+    assert list(tied.optim.freeze(state, ".layers[1].weight").frozen) == [".layers[0].weight"]
+    outer = Chain(c, c)  # d at four places, below two shared nodes
+    state = tied.optim.setup(optax.adam(0.1), outer)
+    assert list(tied.optim.freeze(state, ".layers[1].layers[1].bias").frozen) == [".layers[0].layers[0].bias"]
+    assert len(tied.optim.freeze(state, ".layers[1]").frozen) == 2
+    assert (
+        list(
+            tied.optim.thaw(
+                tied.optim.freeze(state, ".layers[0].layers[0].bias"), ".layers[1].layers[1].bias"
+            ).frozen
+        )
+        == []
+    )
+
+
+def test_a_prefix_matches_at_a_segment_boundary_only():
+    layers = [_dense(i, 2, 2) for i in range(11)]
+    m = {"layers": layers, "enc": _dense(20, 2, 2), "enc1": _dense(21, 2, 2)}
+    state = tied.optim.setup(optax.sgd(0.1), m)
+    assert sorted(tied.optim.freeze(state, "['layers'][1]").frozen) == [
+        "['layers'][1].bias",
+        "['layers'][1].weight",
+    ]
+    assert sorted(tied.optim.freeze(state, "['enc']").frozen) == ["['enc'].bias", "['enc'].weight"]
+    assert len(tied.optim.freeze(state, "['layers']").frozen) == 22
+    assert len(tied.optim.freeze(state, "<root>").frozen) == 26
+    sel = tied.optim.setup(optax.sgd(0.1), m, trainable=tied.under("['layers'][1]", "['enc']"))
+    assert sorted(sel.paths) == [
+        "['enc'].bias",
+        "['enc'].weight",
+        "['layers'][1].bias",
+        "['layers'][1].weight",
+    ]
+    with pytest.raises(
+        ValueError, match=r"argument 0 \(\"\['enc2'\]\"\) is not a place of a trainable parameter.*Nearest"
+    ):
+        tied.optim.freeze(state, "['enc2']")
+
+
+def test_under_as_trainable_in_grad_and_param_count_against_jax_grad():
+    m, d, head = _shared_then_head()
+    only_d = tied.under(".layers[1]")  # d, through its second place
+    g = tied.grad(_chain_loss, trainable=only_d)(m)
+    assert g.layers[2].weight is None and g.layers[0].weight is g.layers[1].weight
+
+    def f(w0, b0, w1, b1):  # the two places of d as separate arguments: partials summed by hand
+        h = jnp.tanh(jnp.tanh(X3 @ w0.T + b0) @ w1.T + b1)
+        return jnp.sum(jnp.tanh(h @ head.weight.T + head.bias) ** 2)
+
+    gw0, _, gw1, _ = jax.grad(f, argnums=(0, 1, 2, 3))(d.weight, d.bias, d.weight, d.bias)
+    np.testing.assert_allclose(g.layers[0].weight, gw0 + gw1, rtol=1e-5, atol=1e-6)
+    assert tied.param_count(m, trainable=only_d) == 12
+    assert tied.under(".a") == tied.under(".a") and repr(tied.under(".a", "[0]")) == "tied.under('.a', '[0]')"
+    assert tied.under("<root>")(".x", None) and tied.under("")("", None)
+    with pytest.raises(ValueError, match=r"'enc1' is not a keystr path.*'\.enc1'"):
+        tied.under("enc1")
+    with pytest.raises(TypeError, match=r"a prefix is a keystr path \(a str"):
+        tied.under(1)
+
+
+def test_a_trainable_that_selects_nothing_warns_naming_it():
+    m, _, _ = _shared_then_head()
+    with pytest.warns(
+        UserWarning, match=r"trainable=<function .*selects none of the model's 4 parameters.*'\.value'"
+    ):
+        tied.optim.setup(optax.adam(0.1), m, trainable=lambda k, x: k.endswith("kernel"))
+    with pytest.warns(UserWarning, match=r"trainable=tied\.under\('\.enc1'\) selects none"):
+        tied.optim.setup(optax.adam(0.1), m, trainable=tied.under(".enc1"))
+
+
+def test_freeze_a_node_errors():
+    m, d, head = _shared_then_head()
+    state = tied.optim.setup(optax.adam(0.1), m)
+    with pytest.raises(
+        ValueError, match=r"argument 0 is a Dense node, but the optimiser state holds no model.*model=model"
+    ):
+        tied.optim.freeze(state, head)
+    with pytest.raises(
+        ValueError, match=r"argument 0 \(a Dense node\) holds no trainable parameter of the model"
+    ):
+        tied.optim.freeze(state, _dense(9), model=m)
+    with pytest.raises(TypeError, match=r"argument 0 is a NoneType"):
+        tied.optim.freeze(state, None)
+
+
+@tied.register
+class StatNorm:
+    """A parameter and a state cell (running statistics), as in a BatchNorm."""
+
+    def __init__(self, n):
+        self.weight = jnp.linspace(0.5, 1.5, n)
+        self.running_mean = tied.State(jnp.zeros(n))
+
+    def __call__(self, x):
+        self.running_mean.value = 0.9 * self.running_mean.value + 0.1 * x.mean(0)
+        return x * self.weight
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_state_is_never_frozen_nor_stepped_with_adam(inplace):
+    bn = StatNorm(3)
+    m = {"bn": bn, "bn2": bn, "head": _dense(5)}  # the norm at two places
+    before = np.asarray(bn.running_mean.value).copy()
+    tx = optax.adam(0.1)
+    state = tied.optim.setup(tx, m)
+    assert all("running_mean" not in p for s in state.spec for p in s.places)
+    assert state.paths == ("['bn'].weight", "['head'].weight", "['head'].bias")
+    for where in ("['bn'].running_mean.value", "['bn2'].running_mean", "['bn'].running_mean"):
+        with pytest.raises(
+            ValueError, match=r"selects only state \(\"\['bn'\]\.running_mean\.value\"\).*never trained"
+        ):
+            tied.optim.freeze(state, where)
+    with pytest.raises(ValueError, match=r"argument 0 \(a State node\) selects only state"):
+        tied.optim.freeze(state, bn.running_mean, model=m)
+    with pytest.raises(ValueError, match=r"argument 0 \(an array of shape \(3,\)\) selects only state"):
+        tied.optim.thaw(state, bn.running_mean.value, model=m)
+    assert sorted(tied.optim.freeze(state, "['bn2']").frozen) == ["['bn'].weight"]  # the parameter only
+
+    def loss(mod):
+        return jnp.sum((mod["head"](X3 * mod["bn"].weight)) ** 2)
+
+    g = tied.grad(loss)(m)
+    p = {"w": bn.weight, "hw": m["head"].weight, "hb": m["head"].bias}
+    ref = optax.apply_updates(
+        p, tx.update({"w": g["bn"].weight, "hw": g["head"].weight, "hb": g["head"].bias}, tx.init(p), p)[0]
+    )
+    if inplace:
+        tied.optim.update_inplace(state, m, g)
+        out = m
+    else:
+        out, _ = tied.optim.update(state, m, g)
+    assert out["bn2"] is out["bn"] and out["bn2"].running_mean is out["bn"].running_mean  # one state
+    np.testing.assert_array_equal(np.asarray(out["bn"].running_mean.value), before)  # bit for bit
+    assert out["bn"].running_mean.value is bn.running_mean.value
+    np.testing.assert_allclose(out["bn"].weight, ref["w"], rtol=1e-6)
+    np.testing.assert_allclose(out["head"].weight, ref["hw"], rtol=1e-6)
+
+
+def test_dir_of_tied_optim_shows_public_names_only():
+    names = dir(tied.optim)
+    assert names == sorted(tied.optim.__all__)
+    assert not {"Any", "Callable", "NamedTuple", "jax", "jnp", "optax", "difflib", "annotations"} & set(names)
+
+
+def _below(path: str, prefix: str) -> bool:
+    return path == prefix or (path.startswith(prefix) and path[len(prefix)] in ".[")
+
+
+@given(models())
+def test_freeze_by_any_place_on_random_sharing_patterns(model):
+    """Random DAGs: freezing a place (a node's or an array's, through any of its places in the
+    unrolled tree) freezes exactly the parameters with a place at or below it, found here by
+    walking the unrolled tree with plain prefix tests; tied.under selects the same."""
+    first: dict[int, str] = {}
+    for path, x in places(model):
+        if is_param(x):
+            first.setdefault(id(x), path)
+    state = tied.optim.setup(optax.adam(0.1), model)
+    array_places = [(p, x) for p, x in places(model) if is_param(x)]
+    for prefix, _ in list(places(model))[:40]:
+        want = sorted({first[id(x)] for p, x in array_places if _below(p, prefix)})
+        if not want:
+            with pytest.raises(ValueError, match=r"is not a place of a trainable parameter"):
+                tied.optim.freeze(state, prefix)
+            continue
+        assert sorted(tied.optim.freeze(state, prefix).frozen) == want, prefix
+        assert sorted(tied.optim.setup(optax.sgd(0.1), model, trainable=tied.under(prefix)).paths) == want
+
+
+@tied.register
+class Cell:
+    def __init__(self, w):
+        self.w, self.kids, self.parent = w, [], None
+
+
+def test_freeze_below_a_node_with_a_back_reference_stops_at_the_cycle():
+    root, kid = Cell(jnp.ones(2)), Cell(jnp.zeros(2))
+    kid.parent = root
+    root.kids.append(kid)
+    state = tied.optim.setup(optax.adam(0.1), root)
+    assert list(tied.optim.freeze(state, ".kids[0].parent.w").frozen) == [".w"]  # the root's, by the cycle
+    assert list(tied.optim.freeze(state, ".kids[0]").frozen) == [".kids[0].w"]  # not the parent above it
+    assert tied.optim.setup(optax.adam(0.1), root, trainable=tied.under(".kids[0]")).paths == (".kids[0].w",)
+    assert sorted(tied.optim.freeze(state, "").frozen) == [".kids[0].w", ".w"]
+
+
+def test_an_optax_mask_or_label_that_selects_nothing_warns():
+    m, _, _ = _shared_then_head()
+    kernel = optax.masked(optax.adam(0.1), lambda p: {k: k.endswith("kernel") for k in p})  # NNX's name
+    with pytest.warns(UserWarning, match=r"mask or labels at state\[0\] select none of the 4 parameters"):
+        tied.optim.setup(optax.chain(kernel, optax.sgd(0.1)), m)
+    labels = optax.multi_transform(
+        {"fast": optax.adam(0.1), "slow": optax.sgd(0.1, momentum=0.9)}, lambda p: {k: "fast" for k in p}
+    )
+    with pytest.warns(UserWarning, match=r"at state\.inner_states\['slow'\] select none"):
+        tied.optim.setup(labels, m)
+    ok = optax.masked(optax.adam(0.1), lambda p: {k: k.endswith("weight") for k in p})
+    tied.optim.setup(ok, m)  # selects something: no warning (warnings are errors here)

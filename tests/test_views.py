@@ -94,9 +94,7 @@ def _adam_reference(m, steps, lr=1e-2):
     params = [m.enc.weight, m.enc.bias, m.dec.bias]
     state = tx.init(params)
     for _ in range(steps):
-        cur = AutoEncoder(
-            Dense(params[0], params[1]), Dense(tied.transpose(params[0]), params[2])
-        )
+        cur = AutoEncoder(Dense(params[0], params[1]), Dense(tied.transpose(params[0]), params[2]))
         grads = list(reference_total(cur))
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
@@ -187,7 +185,6 @@ def test_view_of_a_view():
     np.testing.assert_allclose(g["a"], 2 * w, rtol=1e-6)
 
 
-
 def test_a_view_function_failing_on_the_source_shape_names_the_path():
     w = jnp.ones((3, 4))
     model = {"enc": Dense(w), "dec": [tied.view(w, lambda s: s.reshape(5, 7))]}
@@ -235,3 +232,107 @@ def test_view_constructor_and_materialize_of_plain_values():
     x = jnp.ones(2)
     assert tied.materialize(x) is x
     assert "transpose" in repr(tied.transpose(jnp.ones((2, 3))))
+
+
+# ---------------------------------------------------------------- a view acts as its array
+
+
+@tied.register
+class Careless:
+    """A layer that never calls tied.materialize: it uses its weight as an array."""
+
+    def __init__(self, w, u):
+        self.w, self.u = w, u
+
+    def __call__(self, x):
+        w = self.w  # may be a View
+        h = jnp.tanh(x @ w.T + 1) * jax.nn.relu(w[0] - 0.5).sum()  # .T, +, indexing, -, .sum()
+        h = h + (2.0 * w).mean() / w.shape[0] + w.ndim + (w > 0).astype(w.dtype).sum()
+        return (self.u @ h.T).sum() + (-w).max() + abs(w).min() + (w**2).sum() / w.size + jnp.sum(w @ w.T)
+
+
+def _careless_model():
+    u = jax.random.normal(jax.random.key(3), (3, 4))
+    return Careless(tied.transpose(u), u), u  # w is u.T: one parameter at two places
+
+
+def _careless_reference(u):
+    """The loss with the two places of u as separate arrays: plain jax.grad, summed by hand."""
+
+    def f(w_place, u_place):
+        w = w_place
+        h = jnp.tanh(X[:, :3] @ w.T + 1) * jax.nn.relu(w[0] - 0.5).sum()
+        h = h + (2.0 * w).mean() / w.shape[0] + w.ndim + (w > 0).astype(w.dtype).sum()
+        return (u_place @ h.T).sum() + (-w).max() + abs(w).min() + (w**2).sum() / w.size + jnp.sum(w @ w.T)
+
+    gw, gu = jax.grad(f, argnums=(0, 1))(u.T, u)
+    return f(u.T, u), gu + gw.T
+
+
+def test_a_view_acts_as_its_array_outside_and_inside_every_transform():
+    m, u = _careless_model()
+    x = X[:, :3]
+    want_value, want_grad = _careless_reference(u)
+    loss_fn = lambda mod: mod(x)  # noqa: E731
+    # eagerly, outside any transform: the layer code that works inside tied.grad works here too
+    np.testing.assert_allclose(loss_fn(m), want_value, rtol=1e-5)
+    # inside tied.grad (views materialised) and tied.jit (views over traced sources)
+    g = tied.grad(loss_fn)(m)
+    np.testing.assert_allclose(g.u, want_grad, rtol=1e-5, atol=1e-6)
+    assert g.w.source is g.u  # the view's gradient is a view of the one total
+    value, gj = tied.jit(tied.value_and_grad(loss_fn))(m)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(gj.u, want_grad, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tied.jit(loss_fn)(m), want_value, rtol=1e-5)
+    # plain jax.grad and jax.jit over tied.Graph: the view is a View of a tracer there
+    gg = jax.jit(jax.grad(lambda G: loss_fn(G.value)))(tied.Graph(m)).value
+    np.testing.assert_allclose(gg.u, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_view_operators_on_both_sides_match_the_array():
+    u = jnp.arange(6.0).reshape(2, 3) - 2.0
+    v, a = tied.transpose(u), u.T
+    cases = {
+        "v + 1": (v + 1, a + 1), "1 + v": (1 + v, 1 + a), "v - a": (v - a, a - a), "2 - v": (2 - v, 2 - a),
+        "v * v": (v * v, a * a), "3 * v": (3 * v, 3 * a), "v / 2": (v / 2, a / 2),
+        "1 / (v + 5)": (1 / (v + 5), 1 / (a + 5)),
+        "v // 2": (v // 2, a // 2), "v % 2": (v % 2, a % 2), "v ** 2": (v**2, a**2), "2 ** v": (2**v, 2**a),
+        "v @ x": (v @ jnp.ones(2), a @ jnp.ones(2)), "x @ v": (jnp.ones(3) @ v, jnp.ones(3) @ a),
+        "v.T": (v.T, a.T), "v[1:, 0]": (v[1:, 0], a[1:, 0]), "v[v > 0]": (v[v > 0], a[a > 0]),
+        "v < 0": (v < 0, a < 0), "0 < v": (0 < v, 0 < a), "v >= 1": (v >= 1, a >= 1), "-v": (-v, -a),
+        "abs(v)": (abs(v), abs(a)), "np + v": (np.ones(2) + v, np.ones(2) + a),
+        "relu": (jax.nn.relu(v), jax.nn.relu(a)),
+        "reshape": (v.reshape(-1), a.reshape(-1)), "astype": (v.astype(jnp.int32), a.astype(jnp.int32)),
+    }  # fmt: skip
+    for name, (got, want) in cases.items():
+        assert not isinstance(got, tied.View), name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    assert (v.shape, v.dtype, v.ndim, v.size, len(v)) == (a.shape, a.dtype, a.ndim, a.size, len(a))
+    assert float(tied.view(jnp.array(2.0), jnp.square)) == 4.0
+    assert [np.asarray(r).tolist() for r in v] == np.asarray(a).tolist()
+    # == stays identity: a View is a node of the graph (compare values through tied.materialize)
+    assert (v == v) is True and (v != tied.transpose(u)) is True and {v: 1}[v] == 1
+
+
+def test_what_a_view_cannot_do_names_materialize():
+    v = tied.transpose(jnp.ones((2, 3)))
+    with pytest.raises(AttributeError, match=r"no attribute 'at'.*tied\.materialize\(x\)\.at"):
+        v.at[0].set(1.0)
+    with pytest.raises(AttributeError, match=r"no attribute 'block_until_ready'.*tied\.materialize"):
+        v.block_until_ready()
+    # a jitted jnp function abstracts its arguments, which JAX refuses for __jax_array__ objects
+    with pytest.raises(
+        ValueError, match=r"tied\.View .* passed to a jitted jax function.*tied\.materialize\(view\)"
+    ):
+        jnp.tanh(v)
+    np.testing.assert_array_equal(jnp.tanh(tied.materialize(v)), jnp.tanh(jnp.ones((3, 2))))
+
+
+def test_a_view_copies_and_pickles():
+    import copy
+    import pickle
+
+    v = tied.transpose(jnp.arange(6.0).reshape(2, 3))
+    for w in (copy.copy(v), copy.deepcopy(v), pickle.loads(pickle.dumps(v))):
+        assert type(w) is tied.View and w.shape == (3, 2)
+        np.testing.assert_array_equal(tied.materialize(w), np.arange(6.0).reshape(2, 3).T)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class View:
@@ -16,10 +18,18 @@ class View:
     keeps one state for it, and the gradient at a view's place is a `View` of
     the source's own total gradient object.
 
-    Layers read a view with `tied.materialize` (or ``jnp.asarray(view)``); inside
-    `tied.grad` views are materialised for you, and under `tied.jit` and
-    `tied.Graph` a view stays a view whose source is the traced array, so the
-    layer's `tied.materialize` call traces ``fn``.
+    A view acts as the array it stands for, so the same layer code runs eagerly
+    and under every transform: arithmetic and comparisons on either side
+    (``w + 1``, ``2 * w``, ``w < 0``), ``x @ w``, indexing, ``w.T``, ``.shape``,
+    ``.dtype``, ``.ndim``, ``.size``, ``len``, array methods (``w.sum()``,
+    ``w.reshape(...)``, ``w.astype(...)``), ``jnp.asarray(w)``, ``np.asarray(w)``
+    and JAX primitives (``jax.nn.relu(w)``, ``jax.lax`` functions). Each computes
+    ``fn(source)`` first. ``==`` and ``!=`` stay identity (a view is a node of the
+    graph). What it cannot do names `tied.materialize`, the one explicit way to
+    read it: attributes such as ``w.at`` and jitted ``jnp`` functions
+    (``jnp.tanh(w)``: JAX no longer converts ``__jax_array__`` objects there).
+    Inside `tied.grad` views are materialised for you; under `tied.jit` and
+    `tied.Graph` a view stays a view whose source is the traced array.
 
     Where the source lives: the walk always goes through a view to its source
     (its path is the view's place plus ``.source``), so the source is part of
@@ -42,6 +52,8 @@ class View:
         (True, (2, 3))
         >>> bool((tied.materialize(dec_w) == enc.weight.T).all())
         True
+        >>> (dec_w + 1).shape, (dec_w.T @ jnp.ones(2)).shape, dec_w[0].shape   # acts as its array
+        ((2, 3), (3,), (3,))
         >>> tied.ties({"enc": enc, "dec": tied.nn.Dense(dec_w)})
         [("['dec'].weight.source", "['enc'].weight")]
     """
@@ -62,8 +74,6 @@ class View:
         return jnp.asarray(materialize(self))
 
     def __array__(self, dtype=None, copy=None):
-        import numpy as np
-
         out = np.asarray(materialize(self))
         return out if dtype is None else out.astype(dtype)
 
@@ -85,10 +95,140 @@ class View:
         """The dtype of ``fn(source)``, found without computing it."""
         return self._abstract().dtype
 
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions of ``fn(source)``."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of elements of ``fn(source)``."""
+        return int(np.prod(self.shape))
+
+    @property
+    def T(self) -> Any:  # noqa: N802 - the array attribute
+        """``fn(source).T``."""
+        return materialize(self).T
+
+    def __getitem__(self, index: Any) -> Any:
+        return materialize(self)[_value(index)]
+
+    def __len__(self) -> int:
+        return len(materialize(self))
+
+    def __iter__(self) -> Any:
+        return iter(materialize(self))
+
+    def __float__(self) -> float:
+        return float(materialize(self))
+
+    def __int__(self) -> int:
+        return int(materialize(self))
+
+    def __complex__(self) -> complex:
+        return complex(materialize(self))
+
+    def __neg__(self) -> Any:
+        return -materialize(self)
+
+    def __pos__(self) -> Any:
+        return +materialize(self)
+
+    def __abs__(self) -> Any:
+        return abs(materialize(self))
+
+    def __invert__(self) -> Any:
+        return ~materialize(self)
+
+    # numpy defers to the reflected operators below (``np_array + view``) instead of
+    # converting the view itself.
+    __array_priority__ = 100
+
+    # ``==``/``!=`` stay identity (a View is a node of the graph, found by identity,
+    # and may sit in sets and dicts): compare values with ``tied.materialize(v) == x``.
+    __hash__ = object.__hash__
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _ARRAY_METHODS:
+            return getattr(materialize(self), name)
+        if name.startswith("__") or name in View.__slots__:  # protocols (copy, pickle), unset slots
+            raise AttributeError(name)
+        raise AttributeError(
+            f"'View' object has no attribute {name!r}. A View stands for fn(source) "
+            f"({_name(self.fn)} of an array); it acts as that array in arithmetic, indexing, '@', "
+            f".T, .shape and jnp functions, and tied.materialize(view) returns the array itself: "
+            f"write tied.materialize(x).{name}."
+        )
+
     def __repr__(self) -> str:
-        name = getattr(self.fn, "__name__", repr(self.fn))
         shape = getattr(self.source, "shape", None)
-        return f"View({name}, source shape={shape})"
+        return f"View({_name(self.fn)}, source shape={shape})"
+
+
+# Array methods a View forwards to the array it stands for (so layer code reads the
+# same with a view or an array); anything else names tied.materialize.
+_ARRAY_METHODS = frozenset(
+    "all any argmax argmin astype clip conj cumsum dot flatten imag max mean min prod ravel real "
+    "reshape round squeeze std sum swapaxes transpose var mT".split()
+)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def _value(x: Any) -> Any:
+    return materialize(x) if type(x) is View else x
+
+
+def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
+    def forward(self: View, other: Any) -> Any:
+        return op(materialize(self), _value(other))
+
+    def reflected(self: View, other: Any) -> Any:
+        return op(_value(other), materialize(self))
+
+    return forward, reflected
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor"):
+    _fwd, _ref = _binary(getattr(operator, _op if _op not in ("and", "or") else _op + "_"))
+    setattr(View, f"__{_op}__", _fwd)
+    setattr(View, f"__r{_op}__", _ref)
+for _op in ("lt", "le", "gt", "ge"):
+    setattr(View, f"__{_op}__", _binary(getattr(operator, _op))[0])
+del _op, _fwd, _ref
+
+
+def _refuse_abstractify(v: View) -> Any:
+    # A ValueError, as JAX's own for __jax_array__: jax.jit rewrites a TypeError here into
+    # a message about static arguments.
+    raise ValueError(
+        f"a tied.View ({v!r}) was passed to a jitted jax function, which JAX no longer converts "
+        "through __jax_array__. Pass the array it stands for, tied.materialize(view) (e.g. "
+        "jnp.tanh(tied.materialize(w))), or use the view's own operators and methods (w + 1, "
+        "x @ w, w.T, w.sum()), which work on a view as on its array."
+    )
+
+
+def _register_refusal() -> None:
+    # Where JAX abstracts an argument of a jitted jnp function (jnp.sin(view)), say what to
+    # do instead of JAX's generic __jax_array__ message. JAX internals: if they move, JAX's
+    # own ValueError is raised instead, which is still an error.
+    from jax._src import core, dtypes
+
+    table = getattr(core, "pytype_aval_mappings", None)
+    if isinstance(table, dict):
+        table[View] = _refuse_abstractify
+    # where JAX canonicalises a primitive's operand (jax.nn.relu(view), lax.add), the view
+    # is the array it stands for
+    register = getattr(dtypes, "register_canonicalize_value_handler", None)
+    canonicalize = getattr(dtypes, "canonicalize_value", None)
+    if register is not None and canonicalize is not None:
+        register(View, lambda v: canonicalize(jnp.asarray(materialize(v))))
+
+
+_register_refusal()
 
 
 def view(source: Any, fn: Callable[[Any], Any]) -> View:
@@ -122,8 +262,6 @@ def view(source: Any, fn: Callable[[Any], Any]) -> View:
 
 
 def _check_source(source: Any, where: str) -> Any:
-    import numpy as np
-
     if isinstance(source, (View, jax.Array, np.ndarray)):
         return source
     raise TypeError(

@@ -61,8 +61,7 @@ Examples:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,223 +71,16 @@ from ._grad import Convention, _check_convention, is_param, total_of, trainable_
 from ._graph import GraphDef, flatten, read_places, unflatten
 from ._implicit import Grads
 from ._live import check_written, lock, slots, write
+from ._optstate import Layout, OptState, ParamSpec, Trainable, dtype_name, keyed, match_state
+from ._under import at_or_below, covered, warn_empty_masks, warn_none_selected
 from ._view import View
 
 __all__ = ["OptState", "ParamSpec", "setup", "update", "update_inplace", "freeze", "thaw"]
 
-Trainable = Callable[[str, Any], bool]
 
-
-class ParamSpec(NamedTuple):
-    """What the optimiser state knows of one trainable parameter (no array).
-
-    ``places`` are the keystr paths of the parameter's places (those below a
-    shared node listed under its first place); ``path``, the first, keys the
-    optax state.
-
-    Examples:
-        >>> import jax, optax, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> state = tied.optim.setup(optax.sgd(0.1), Chain(d1, Dense(d1.weight, None)))
-        >>> state.spec[0]
-        ParamSpec(places=('.layers[0].weight', '.layers[1].weight'), shape=(2, 2), dtype='float32')
-        >>> state.spec[0].path
-        '.layers[0].weight'
-    """
-
-    places: tuple[str, ...]  # keystr paths of every place; the first one keys the optax state
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def path(self) -> str:
-        return self.places[0]
-
-
-@jax.tree_util.register_pytree_with_keys_class
-class OptState:
-    """The optimiser state of a model: one optax state entry per unique trainable parameter.
-
-    A JAX pytree whose leaves are the optax state's (and, once something is
-    frozen, the frozen flags'), so it passes through ``jax.jit``, `tied.jit`,
-    `tied.Graph`, `tied.flatten` and `tied.save`. It holds no parameter arrays.
-
-    Attributes:
-        inner_state: the optax state itself, built by ``tx.init`` on the dict
-            from each trainable parameter's first path to the array (so
-            ``state.inner_state.hyperparams["learning_rate"]`` under
-            ``optax.inject_hyperparams``).
-        frozen: a dict from the first path of each frozen parameter to
-            ``jnp.array(True)`` (data, so that it is saved and loaded; its keys
-            decide). Empty: nothing frozen.
-        tx: the optax rule (static).
-        spec: one `ParamSpec` (every place, shape, dtype) per trainable
-            parameter, in the model's flatten order (static).
-        trainable: the ``trainable=`` predicate given to `setup`, or None (static).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, optax, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> c = Chain(d1, Dense(d1.weight, d1.bias))          # 2 parameters, 4 places
-        >>> state = tied.optim.setup(optax.adam(1e-3), c)
-        >>> state, state.paths
-        (OptState(2 unique parameters), ('.layers[0].weight', '.layers[0].bias'))
-        >>> len(jax.tree_util.tree_leaves(state))              # count, mu and nu: no parameters
-        5
-        >>> tied.optim.freeze(state, ".layers[1].bias")
-        OptState(2 unique parameters, 1 frozen)
-    """
-
-    __slots__ = ("inner_state", "frozen", "tx", "spec", "trainable")
-
-    def __init__(
-        self,
-        inner_state: Any,
-        frozen: dict,
-        tx: Any,
-        spec: tuple[ParamSpec, ...],
-        trainable: Trainable | None = None,
-    ):
-        # Stored as given: JAX's tree_unflatten may pass placeholders, not arrays.
-        self.inner_state = inner_state
-        self.frozen = frozen
-        self.tx = tx
-        self.spec = spec
-        self.trainable = trainable
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The first path of each trainable parameter (the keys optax sees), in flatten order."""
-        return tuple(s.path for s in self.spec)
-
-    def tree_flatten_with_keys(self):
-        keys = jax.tree_util.GetAttrKey
-        children = ((keys("inner_state"), self.inner_state), (keys("frozen"), self.frozen))
-        return children, (self.tx, self.spec, self.trainable)
-
-    def tree_flatten(self):
-        return (self.inner_state, self.frozen), (self.tx, self.spec, self.trainable)
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple, children: Any) -> OptState:
-        inner_state, frozen = children
-        tx, spec, trainable = aux
-        return cls(inner_state, frozen, tx, spec, trainable)
-
-    def __repr__(self) -> str:
-        n_frozen = len(self.frozen) if isinstance(self.frozen, dict) else 0
-        extra = f", {n_frozen} frozen" if n_frozen else ""
-        return f"OptState({len(self.spec)} unique parameters{extra})"
-
-
-# ---------------------------------------------------------------- matching state and model
-
-
-def _keyed(spec: tuple[ParamSpec, ...], values: list) -> dict:
-    return {s.path: v for s, v in zip(spec, values)}
-
-
-_dtype_names: dict = {}
-
-
-def _dtype(x: Any) -> str:
-    dt = x.dtype
-    name = _dtype_names.get(dt)
-    if name is None:
-        name = _dtype_names[dt] = str(jnp.dtype(dt))
-    return name
-
-
-def _describe(shape: tuple, dtype: str) -> str:
-    return f"shape {shape} and dtype {dtype}"
-
-
-def _setup_error(path: str, problem: str) -> ValueError:
-    return ValueError(
-        f"{path or '<root>'}: {problem} Pass the model the state was set up for (or its "
-        "updated successor), or call tied.optim.setup(tx, model) for this one."
-    )
-
-
-# Where each of a state's parameters sits in a model depends only on the model's
-# GraphDef, the state's spec and which arrays are trainable: kept for the next step.
-_placements: dict = {}
-
-
-def _place(state: OptState, leaves: list, gdef: GraphDef, mask: list[bool]) -> tuple[int, ...]:
-    """The unique-leaf index of each of ``state``'s parameters, found by path, ties checked."""
-    paths = gdef.leaf_paths()
-    at: dict[str, int] = {}
-    for i, ps in enumerate(paths):
-        for p in ps:
-            at.setdefault(p, i)
-    train: list[int] = []
-    for s in state.spec:
-        i = at.get(s.path)
-        if i is None:
-            raise _setup_error(
-                s.path, "the optimiser state has a parameter here, but the model has no array here."
-            )
-        if not mask[i]:
-            x = leaves[i]
-            why = "it is not trainable" + (
-                f" (dtype {_dtype(x)})" if not is_param(x) else " (rejected by the state's trainable=)"
-            )
-            raise _setup_error(s.path, f"the optimiser state has a parameter here, but in the model {why}.")
-        if set(paths[i]) != set(s.places):  # the places, in whatever order the walk met them
-            raise _setup_error(
-                s.path,
-                f"the optimiser state was set up for a parameter at the places {list(s.places)}, but "
-                f"the model's array here sits at {list(paths[i])} (a tie was made or cut).",
-            )
-        train.append(i)
-    if sum(mask) != len(train):
-        known = set(train)
-        i = next(i for i, m in enumerate(mask) if m and i not in known)
-        raise _setup_error(
-            paths[i][0],
-            "the model has a trainable parameter here that the optimiser state was not set up for.",
-        )
-    return tuple(train)
-
-
-def _match(state: Any, leaves: list, gdef: GraphDef) -> list[int]:
-    """The unique-leaf index of each of ``state``'s parameters in this model, by path.
-
-    Raises a ValueError naming the first path at which the model's trainable
-    parameters and the state's differ (missing, new, a tie, a shape or a dtype).
-    """
-    if not isinstance(state, OptState):
-        raise TypeError(
-            f"expected the OptState from tied.optim.setup(tx, model), got {type(state).__name__}."
-        )
-    mask = trainable_mask(gdef, leaves, state.trainable)
-    spec = state.spec
-    try:
-        key: Any = (gdef, id(spec), tuple(mask))
-        hit = _placements.get(key)
-    except TypeError:  # a GraphDef with an unhashable static field: not kept
-        key, hit = None, None
-    if hit is not None and hit[0] is spec:  # the spec itself is held, so its id is its own
-        train = hit[1]
-    else:
-        train = _place(state, leaves, gdef, mask)
-        if key is not None:
-            if len(_placements) > 256:
-                _placements.clear()
-            _placements[key] = (spec, train)
-    for s, i in zip(spec, train):
-        x = leaves[i]
-        shape, dtype = tuple(x.shape), _dtype(x)
-        if shape != s.shape or dtype != s.dtype:
-            raise _setup_error(
-                s.path,
-                f"the model's parameter has {_describe(shape, dtype)} but the optimiser state was "
-                f"set up for {_describe(s.shape, s.dtype)}.",
-            )
-    return list(train)
+def __dir__() -> list[str]:
+    # the public names only (not the helpers and modules imported here)
+    return sorted(__all__)
 
 
 # ---------------------------------------------------------------- setup
@@ -334,7 +126,15 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
     mask = trainable_mask(gdef, leaves, trainable)
     paths = gdef.leaf_paths()
     train = [i for i, m in enumerate(mask) if m]
-    spec = tuple(ParamSpec(tuple(paths[i]), tuple(leaves[i].shape), _dtype(leaves[i])) for i in train)
+    is_state = gdef.state_leaves()
+    if trainable is not None and not train:
+        warn_none_selected(
+            trainable, [p[0] for p, x, st in zip(paths, leaves, is_state) if is_param(x) and not st]
+        )
+    layout = Layout(
+        tuple(gdef.shared_node_paths()), tuple(p for ps, st in zip(paths, is_state) if st for p in ps)
+    )
+    spec = tuple(ParamSpec(tuple(paths[i]), tuple(leaves[i].shape), dtype_name(leaves[i])) for i in train)
     seen: dict[str, int] = {}
     for s in spec:
         if s.path in seen:
@@ -345,7 +145,7 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
             )
         seen[s.path] = 1
     try:
-        inner = tx.init(_keyed(spec, [leaves[i] for i in train]))
+        inner = tx.init(keyed(spec, [leaves[i] for i in train]))
     except (TypeError, ValueError) as e:
         if hasattr(e, "add_note"):
             keys = ", ".join(repr(s.path) for s in spec[:3]) + (", ..." if len(spec) > 3 else "")
@@ -355,7 +155,9 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
                 "lambda p: {k: k.endswith('weight') for k in p}."
             )
         raise
-    return OptState(inner, {}, tx, spec, trainable)
+    if spec:
+        warn_empty_masks(inner, keyed(spec, spec).keys())
+    return OptState(inner, {}, tx, spec, trainable, layout)
 
 
 # ---------------------------------------------------------------- update
@@ -406,7 +208,7 @@ def _step(
     state: OptState, model: Any, grads: Any, convention: Convention, extra_args: dict
 ) -> tuple[list, GraphDef, list[int], list, OptState]:
     leaves, gdef = flatten(model)
-    train = _match(state, leaves, gdef)
+    train = match_state(state, leaves, gdef)
     totals = _totals(grads, gdef, leaves, train, convention)
     params = [leaves[i] for i in train]
     spec, frozen = state.spec, state.frozen
@@ -416,13 +218,13 @@ def _step(
     # Frozen parameters and parameters without a gradient contribute zeros to
     # global transforms (a clipping norm) and are neither moved nor re-stated.
     g = [jnp.zeros_like(p) if h else t for p, t, h in zip(params, totals, hold)]
-    p_dict = _keyed(spec, params)
-    updates, inner = state.tx.update(_keyed(spec, g), state.inner_state, p_dict, **extra_args)
+    p_dict = keyed(spec, params)
+    updates, inner = state.tx.update(keyed(spec, g), state.inner_state, p_dict, **extra_args)
     stepped = optax.apply_updates(p_dict, updates)
     new_params = [p if h else stepped[s.path] for s, p, h in zip(spec, params, hold)]
     if any(hold):
-        inner = _hold(state.inner_state, inner, _keyed(spec, hold))
-    new_state = OptState(inner, frozen, state.tx, spec, state.trainable)
+        inner = _hold(state.inner_state, inner, keyed(spec, hold))
+    new_state = state._with(inner, frozen)
     return leaves, gdef, train, new_params, new_state
 
 
@@ -446,7 +248,8 @@ def update(
             total at the first place), ``None`` standing for a subtree without
             gradient; or a `tied.Grads` from `tied.gradient`.
         convention: how to read the gradient, as in `tied.accumulate`; give
-            ``"partials"`` for plain ``jax.grad`` output.
+            ``"partials"`` for plain ``jax.grad`` output on the model as a pytree
+            (a gradient through `tied.Graph` needs none: it is a total per tie).
         **extra_args: passed on to ``tx.update`` (e.g. ``value=`` for rules that
             need the loss).
 
@@ -537,7 +340,7 @@ def update_inplace(
     """
     with lock:
         leaves, gdef = flatten(model)
-        train = _match(state, leaves, gdef)
+        train = match_state(state, leaves, gdef)
         places = slots(model, gdef, train, action="tied.optim.update_inplace", frozen_ok=False)
         _, _, _, new_params, new_state = _step(state, model, grads, convention, extra_args)
         write(places, new_params)
@@ -545,7 +348,10 @@ def update_inplace(
         for i, p in zip(train, new_params):
             new_leaves[i] = p
         check_written(
-            model, gdef, new_leaves, places,
+            model,
+            gdef,
+            new_leaves,
+            places,
             why="tied.optim.update_inplace wrote the new array here, but a walk of the model does not "
             "find it (the container rebuilds its children). Use tied.optim.update.",
         )
@@ -555,25 +361,39 @@ def update_inplace(
 # ---------------------------------------------------------------- freeze and thaw
 
 
-def _by_path(state: OptState, path: str, n: int, fn: str) -> str:
-    """The state's key (first path) of the parameter with a place at ``path``."""
-    if path == "<root>":
-        path = ""
-    for s in state.spec:
-        for p in s.places:
-            # a view's place: its source sits at path + ".source" (+ ".source" ...)
-            if p == path or (p.startswith(path + ".source") and not p[len(path):].replace(".source", "")):
-                return s.path
+def _state_error(fn: str, n: int, what: str, where: str) -> ValueError:
+    return ValueError(
+        f"tied.optim.{fn}: argument {n} ({what}) selects only state ({where}): running statistics, a "
+        "random stream's counter or a cache, which change when the model runs and are never "
+        f"trained, so there is nothing to {fn}. Name a parameter's path (tied.optim.setup(...).paths "
+        "lists them)."
+    )
+
+
+def _by_path(state: OptState, path: str, n: int, fn: str) -> list[str]:
+    """The state's keys (first paths) of the parameters with a place at or below ``path``."""
+    path = "" if path == "<root>" else path
+    prefixes = covered(path, state.layout.shared)  # a place below a shared node: through any place
+
+    def hit(p: str) -> bool:
+        return any(at_or_below(p, q) for q in prefixes)
+
+    keys = [s.path for s in state.spec if any(hit(p) for p in s.places)]
+    if keys:
+        return keys
+    stateful = [p for p in state.layout.state if hit(p)]
+    if stateful:
+        raise _state_error(fn, n, repr(path), repr(stateful[0]) + (", ..." if len(stateful) > 1 else ""))
     places = [p for s in state.spec for p in s.places]
     near = difflib.get_close_matches(path, places, n=3, cutoff=0.5) or places[:3]
     raise ValueError(
         f"tied.optim.{fn}: argument {n} ({path!r}) is not a place of a trainable parameter of the "
-        f"optimiser state. Nearest places: {', '.join(repr(p) for p in near)}. Paths are keystr "
-        "paths as tied.ties prints them."
+        f"optimiser state, nor of a node holding one. Nearest places: {', '.join(repr(p) for p in near)}. "
+        "Paths are keystr paths as tied.ties prints them."
     )
 
 
-def _by_array(state: OptState, a: Any, n: int, model: Any, fn: str) -> str:
+def _by_array(state: OptState, a: Any, n: int, model: Any, fn: str) -> list[str]:
     target = a
     while isinstance(target, View):
         target = target.source
@@ -584,21 +404,48 @@ def _by_array(state: OptState, a: Any, n: int, model: Any, fn: str) -> str:
             f"model=model), or name it by path, tied.optim.{fn}(state, '.layers[0].weight')."
         )
     leaves, gdef = flatten(model)
-    train = _match(state, leaves, gdef)
+    train = match_state(state, leaves, gdef)
     for s, i in zip(state.spec, train):
         if leaves[i] is target:
-            return s.path
+            return [s.path]
     shape, dtype = getattr(target, "shape", None), getattr(target, "dtype", None)
-    in_model = any(x is target for x in leaves)
+    at = [i for i, x in enumerate(leaves) if x is target]
+    if at and gdef.state_leaves()[at[0]]:
+        raise _state_error(fn, n, f"an array of shape {shape}", repr(gdef.leaf_paths()[at[0]][0]))
     why = (
         "is in the model but not trainable (an integer dtype, or rejected by trainable=)"
-        if in_model
+        if at
         else "is not one of the model's arrays, matched by identity"
     )
     raise ValueError(
         f"tied.optim.{fn}: argument {n} ({type(target).__name__} of shape {shape}, dtype {dtype}) "
         f"{why}. Pass the array the model holds at any one of its places (e.g. "
         "model.layers[1].weight), or its path."
+    )
+
+
+def _by_node(state: OptState, node: Any, n: int, model: Any, fn: str) -> list[str]:
+    """Every trainable parameter held at or below ``node`` (found in ``model`` by identity)."""
+    name = type(node).__name__
+    if model is None:
+        raise ValueError(
+            f"tied.optim.{fn}: argument {n} is a {name} node, but the optimiser state holds no model to "
+            f"find it in. Pass the model that holds it, tied.optim.{fn}(state, node, model=model), or "
+            f"name its place, tied.optim.{fn}(state, '.enc1')."
+        )
+    mine = {id(x) for x in flatten(node)[0]}
+    leaves, gdef = flatten(model)
+    train = match_state(state, leaves, gdef)
+    keys = [s.path for s, i in zip(state.spec, train) if id(leaves[i]) in mine]
+    if keys:
+        return keys
+    paths, is_state = gdef.leaf_paths(), gdef.state_leaves()
+    stateful = [paths[i][0] for i, x in enumerate(leaves) if id(x) in mine and is_state[i]]
+    if stateful:
+        raise _state_error(fn, n, f"a {name} node", repr(stateful[0]))
+    raise ValueError(
+        f"tied.optim.{fn}: argument {n} (a {name} node) holds no trainable parameter of the model "
+        "(matched by identity: pass the node the model holds, e.g. model.layers[1], or its path)."
     )
 
 
@@ -610,44 +457,58 @@ def _resolve(state: OptState, where: tuple, model: Any, fn: str) -> list[str]:
         )
     if model is not None:
         leaves, gdef = flatten(model)
-        _match(state, leaves, gdef)
-    out = []
+        match_state(state, leaves, gdef)
+    out: list[str] = []
     for n, w in enumerate(where):
         if isinstance(w, str):
-            out.append(_by_path(state, w, n, fn))
+            out += _by_path(state, w, n, fn)
         elif isinstance(w, View) or hasattr(w, "shape"):
-            out.append(_by_array(state, w, n, model, fn))
-        else:
+            out += _by_array(state, w, n, model, fn)
+        elif w is None or isinstance(w, (bool, int, float, complex, bytes)):
             raise TypeError(
-                f"tied.optim.{fn}: argument {n} is a {type(w).__name__}; name a parameter by a keystr "
-                "path of any of its places ('.layers[0].weight') or by the array (with model=)."
+                f"tied.optim.{fn}: argument {n} is a {type(w).__name__}; name parameters by a keystr "
+                "path of any of their places ('.layers[0].weight', or a node's '.enc1' for all below it), "
+                "or by the array or node object (with model=)."
             )
+        else:
+            out += _by_node(state, w, n, model, fn)
     return out
 
 
 def freeze(state: OptState, *where: str | Any, model: Any = None) -> OptState:
     """Stop updating some parameters; functional (returns a new state).
 
-    A parameter is named by the keystr path of any one of its places, or by the
-    array itself (or a `tied.View` of it) taken from the model, which then must
-    be passed as ``model=``: the state holds no arrays. Freezing through one
-    place freezes the parameter everywhere. A frozen parameter is not moved,
-    its optax state is kept as it was, and it contributes zeros to global
-    transforms such as clipping norms. Frozen flags are data in the state
-    (``state.frozen``), so they survive `update`, ``jax.jit``, `tied.jit` and a
-    `tied.save`/`tied.load` round trip (load into a state frozen the same way).
+    What to freeze is named by a keystr path, or by an object taken from the
+    model (then pass ``model=``: the state holds no arrays):
+
+    - a path freezes every trainable parameter at or below that place, through
+      any of its places (``".layers[1].weight"`` of ``Chain(d, d)`` is
+      ``d.weight``; ``".enc1"`` is the whole layer). A prefix matches at a
+      path-segment boundary: ``.layers[1]`` does not select ``.layers[10]``.
+      Flax NNX parameters sit at ``.block.kernel.value``.
+    - an array (or a `tied.View` of it, meaning its source) freezes that parameter;
+    - a node (a layer object) freezes every parameter it holds.
+
+    Freezing through one place freezes the parameter everywhere. A frozen
+    parameter is not moved, its optax state is kept as it was, and it
+    contributes zeros to global transforms such as clipping norms. Frozen flags
+    are data in the state (``state.frozen``), so they survive `update`,
+    ``jax.jit``, `tied.jit` and a `tied.save`/`tied.load` round trip (load into
+    a state frozen the same way).
 
     Args:
         state: the current `OptState`.
-        *where: paths (str) or arrays of the parameters to freeze.
-        model: the model, to find arrays in (checked against the state).
+        *where: paths (str), arrays or nodes of the parameters to freeze.
+        model: the model, to find arrays and nodes in (checked against the state).
 
     Returns:
         A new `OptState` with those parameters frozen.
 
     Raises:
-        ValueError: an unknown path (the nearest ones are listed), an array
-            without ``model=``, or an array that is not a trainable parameter.
+        ValueError: a path that selects no trainable parameter (the nearest
+            places are listed), or only state (running statistics, counters: never
+            trained); an array or node without ``model=``, or not a trainable
+            parameter of it.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, tied
@@ -662,11 +523,21 @@ def freeze(state: OptState, *where: str | Any, model: Any = None) -> OptState:
         >>> c2, state = tied.optim.update(state, c, tied.grad(lambda m: m(jnp.ones(2)).sum())(c))
         >>> c2.layers[1].weight is d1.weight                           # not moved
         True
+
+        A whole layer, by its place (any of them) or by the object:
+
+        >>> d, head = Dense(2, 2, key=jax.random.key(1)), Dense(2, 1, key=jax.random.key(2))
+        >>> m = Chain(d, d, head)
+        >>> state = tied.optim.setup(optax.adam(1e-3), m)
+        >>> sorted(tied.optim.freeze(state, ".layers[1]").frozen)
+        ['.layers[0].bias', '.layers[0].weight']
+        >>> sorted(tied.optim.freeze(state, head, model=m).frozen)
+        ['.layers[2].bias', '.layers[2].weight']
     """
     keys = set(_resolve(state, where, model, "freeze")) | set(state.frozen)
     frozen = {s.path: state.frozen.get(s.path, None) for s in state.spec if s.path in keys}
     frozen = {k: jnp.array(True) if v is None else v for k, v in frozen.items()}
-    return OptState(state.inner_state, frozen, state.tx, state.spec, state.trainable)
+    return state._with(state.inner_state, frozen)
 
 
 def thaw(state: OptState, *where: str | Any, model: Any = None) -> OptState:
@@ -689,4 +560,4 @@ def thaw(state: OptState, *where: str | Any, model: Any = None) -> OptState:
     """
     keys = set(_resolve(state, where, model, "thaw"))
     frozen = {k: v for k, v in state.frozen.items() if k not in keys}
-    return OptState(state.inner_state, frozen, state.tx, state.spec, state.trainable)
+    return state._with(state.inner_state, frozen)
