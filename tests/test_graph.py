@@ -303,16 +303,20 @@ def test_cycle_that_cannot_be_rebuilt_names_the_path():
 def test_any_depth_that_flatten_accepts_every_entry_point_accepts():
     # 20,000 levels: far past Python's recursion limit. Every traversal is iterative.
     x: Any = {"w": jnp.ones(1)}
-    for i in range(20000):
-        x = [x] if i % 3 else Box(x, 1.0) if i % 3 == 1 else {"k": x}
+    for i in range(20000):  # lists, registered objects and dicts in turn
+        x = [x] if i % 3 == 0 else Box(x, 1.0) if i % 3 == 1 else {"k": x}
     for _ in range(3):  # the walk, then a compiled plan
         leaves, gdef = tied.flatten(x)
         assert len(leaves) == 1
     rebuilt = tied.unflatten(gdef, [2 * leaves[0]])
     _, again = tied.flatten(rebuilt)
     assert again == gdef
+    # Each kind comes back as itself: the outermost levels are Box(list(dict(...))).
+    assert type(rebuilt) is Box and type(rebuilt.a) is list and type(rebuilt.a[0]) is dict
+    assert rebuilt.b == 1.0 and type(rebuilt.a[0]["k"]) is Box
     (path,) = gdef.leaf_paths()[0]
-    assert path.endswith("['w']") and path.count("[0]") > 10000
+    assert path.startswith(".a[0]['k'].a[0]['k']") and path.endswith("['k'].a[0]['w']")
+    assert path.count(".a") == path.count("[0]") == path.count("['k']") + 1 == 6667
     assert tied.ties(x) == []
     g = tied.grad(lambda m: jnp.sum(tied.flatten(m)[0][0] * 3.0))(x)
     assert float(tied.flatten(g)[0][0][0]) == 3.0
@@ -420,9 +424,7 @@ def test_tie_paths_are_keystr_for_jax_known_containers():
     w = jnp.ones(2)
     jax_tree = {"enc": [NTup(w, 1.0), Mod(jnp.zeros(1), w)], "dec": (w, {"x": w})}
     # JAX sees one leaf per place: its paths of w, in order, are the tie tuple.
-    expected = tuple(
-        K.keystr(p) for p, x in K.tree_flatten_with_path(jax_tree)[0] if x is w
-    )
+    expected = tuple(K.keystr(p) for p, x in K.tree_flatten_with_path(jax_tree)[0] if x is w)
     assert expected == ("['dec'][0]", "['dec'][1]['x']", "['enc'][0].first", "['enc'][1].bias")
     assert tied.ties(jax_tree) == [expected]
 
@@ -473,9 +475,12 @@ def test_tuples_of_static_values_are_values_not_ties():
     shape = (2, 2)  # one object at two places, as Python reuses constant tuples
     model = [{"w": w, "shape": shape, "none": ()}, {"w": jnp.zeros(2), "shape": shape, "none": ()}]
     assert tied.ties(model) == []
-    assert tied.flatten(model)[1] == tied.flatten(
-        [{"w": w, "shape": (2, int("2")), "none": ()}, {"w": jnp.zeros(2), "shape": (2, 2), "none": ()}]
-    )[1]
+    assert (
+        tied.flatten(model)[1]
+        == tied.flatten(
+            [{"w": w, "shape": (2, int("2")), "none": ()}, {"w": jnp.zeros(2), "shape": (2, 2), "none": ()}]
+        )[1]
+    )
     g = tied.grad(lambda m: sum(jnp.sum(d["w"]) for d in m))(model)
     assert g[0]["shape"] == (None, None) and g[0]["none"] == ()
     pair = (w, 3)  # a tuple holding an array is a node: its identity is sharing
@@ -595,7 +600,10 @@ def test_registered_list_and_dict_subclasses_are_walked_items_and_fields():
         leaves, gdef = tied.flatten(model)
         assert [id(x) for x in leaves] == [id(w), id(b), id(p.scale)]
         assert gdef.leaf_paths()[0] == (
-            "['layers'][0].weight", "['layers'][1].weight", "['layers'].extra", "['p']['a']"
+            "['layers'][0].weight",
+            "['layers'][1].weight",
+            "['layers'].extra",
+            "['p']['a']",
         )
         out = tied.unflatten(gdef, [x + 1 for x in leaves])
         assert type(out["layers"]) is Layers and type(out["p"]) is Params
@@ -789,3 +797,85 @@ def test_a_pytree_static_field_of_other_bits_is_not_served_by_an_old_plan():
     assert np.signbit(out[0].scale)
     leaves, gdef = tied.flatten([ScaledLinear(w, 1)])  # equal to 1.0, another type
     assert type(tied.unflatten(gdef, leaves)[0].scale) is int
+
+
+# ---------------------------------------------------------------- places know their parent and key
+
+
+def reference_places(tree: Any) -> list[tuple[str, str | None, Any]]:
+    """Every place of the unrolled tree: (path, parent's path, JAX key), by the helpers' walker."""
+    out: list[tuple[str, str | None, Any]] = []
+    stack: list[tuple[Any, tuple, str | None, Any]] = [(tree, (), None, None)]
+    while stack:
+        x, path, parent, key = stack.pop()
+        out.append((K.keystr(path), parent, key))
+        kids = children(x) or []
+        stack.extend((c, path + (k,), K.keystr(path), k) for k, c in reversed(kids))
+    return out
+
+
+@given(models())
+def test_each_place_carries_its_parent_node_and_its_jax_key(model):
+    _, gdef = tied.flatten(model)
+    walk = list(gdef.walk_places(expand_shared=True))
+    ref = reference_places(model)
+    assert [(p.path, p.key) for p in walk] == [(path, key) for path, _, key in ref]
+    index_at = {p.path: p.index for p in walk if p.kind not in ("array", "static")}
+    for p, (_, parent_path, _) in zip(walk, ref):
+        assert p.parent == (-1 if parent_path is None else index_at[parent_path])
+        if p.parent >= 0:  # the GraphDef answers by name what the node holds
+            assert (p.key, p.kind, p.index) in gdef.children(p.parent)
+
+
+def test_keys_are_jax_key_objects_and_children_lists_a_node_in_order():
+    w = jnp.ones(2)
+    pair = EqxPair(w, 1.0)
+    model = {"a": [w, pair], "b": Box(pair, "s")}
+    _, gdef = tied.flatten(model)
+    keys = {p.path: p.key for p in gdef.walk_places()}
+    assert keys["['a'][1]"] == K.SequenceKey(1) and keys["['b'].a"] == K.GetAttrKey("a")
+    assert keys["['a']"] == K.DictKey("a") and keys[""] is None
+    assert keys["['a'][1].a"] == K.GetAttrKey("a")  # a JAX pytree's own key
+    root = next(p for p in gdef.walk_places() if p.path == "")
+    kinds = [(str(k), kind) for k, kind, _ in gdef.children(root.index)]
+    assert kinds == [("['a']", "list"), ("['b']", "object")]
+
+
+# ---------------------------------------------------------------- the state kind
+
+
+def test_a_state_cell_is_its_own_kind_walked_through_value_and_marked_as_state():
+    cell = tied.State(jnp.zeros(2))
+    model = {"bn": cell, "again": cell, "w": jnp.ones(2), "rng": tied.Rng(0)}
+    for _ in range(3):  # the walk, then compiled plans
+        leaves, gdef = tied.flatten(model)
+        back = tied.unflatten(gdef, leaves)
+    by_path = {p.path: p for p in gdef.walk_places()}
+    assert by_path["['bn']"].kind == "state" and by_path["['bn']"].type is tied.State
+    assert by_path["['again'].value"].key == K.GetAttrKey("value")  # keys sorted: 'again' first
+    assert by_path["['rng'].count"].kind == "state" and by_path["['rng']"].kind == "object"
+    assert tied.ties(model) == [("['again']", "['bn']")]
+    assert type(back["bn"]) is tied.State and back["bn"] is back["again"]
+    assert back["bn"].value is cell.value and back["bn"] is not cell
+    state = dict(zip([p[0] for p in gdef.leaf_paths()], gdef.state_leaves()))
+    assert state == {
+        "['again'].value": True,
+        "['rng'].count.value": True,
+        "['rng'].key": False,
+        "['w']": False,
+    }
+    with pytest.raises(TypeError, match=r"tied\.grad"):
+        jax.tree_util.tree_leaves(cell)
+
+
+def test_a_register_state_class_stays_an_object_and_is_a_state_node():
+    @tied.register_state
+    class Counter:
+        def __init__(self):
+            self.value = jnp.zeros((), jnp.int32)
+
+    model = [Counter(), jnp.ones(1)]
+    _, gdef = tied.flatten(model)
+    kinds = {p.path: p.kind for p in gdef.walk_places()}
+    assert kinds["[0]"] == "object" and gdef.state_nodes() == (False, True)
+    assert gdef.state_leaves() == (True, False)

@@ -79,12 +79,6 @@ CHANGED = _Changed()
 
 
 # ---------------------------------------------------------------- finding the places
-# The node kind of a walk_places() kind name: its children of a live object, `writable`, `setter`.
-_KIND_BY_NAME = KIND_BY_NAME
-
-
-def _writable(kind: Kind) -> bool:
-    return kind.writable
 
 
 def _is_frozen_dataclass(obj: Any) -> bool:
@@ -114,12 +108,11 @@ def slots(
     out: list[list[Slot]] = [[] for _ in which]
     if not wanted:
         return out
-    # walk_places yields a node's children right after its first place, so a stack of
-    # the open nodes, by depth, says each place's container and position in it.
-    open_nodes: list[_Open] = []
+    # Each place names its container (`Place.parent`); a node's children are visited at
+    # its first place only, in order, so a counter per open node gives each position.
+    opened: dict[int, _Open] = {}
     for place in gdef.walk_places():
-        depth = place.depth
-        if depth == 0:
+        if place.parent < 0:
             obj, twin = model, None
             if place.kind == "array" and place.index in wanted:
                 raise GraphError(
@@ -128,17 +121,14 @@ def slots(
                     "registered class)."
                 )
         else:
-            del open_nodes[depth:]
-            node = open_nodes[depth - 1]
+            node = opened[place.parent]
             i = node.next
             node.next = i + 1
             obj = node.children[i]
             twin = node.twins[i] if node.twins is not None else None
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
-                if not _writable(kind) or (
-                    not frozen_ok and kind.name in ("object", "dataclass") and _is_frozen_dataclass(node.obj)
-                ):
+                if not kind.writable or (not frozen_ok and _is_frozen_dataclass(node.obj)):
                     raise _immutable_error(place.path, kind, node.obj, action)
                 if node.twin is not None:
                     raise _transient_error(place.path, node.obj, action)
@@ -146,7 +136,7 @@ def slots(
                 continue
         if place.kind in ("array", "static") or not place.first:
             continue
-        open_nodes.append(_Open(obj, _KIND_BY_NAME[place.kind], twin))
+        opened[place.index] = _Open(obj, KIND_BY_NAME[place.kind], twin)
     return out
 
 
@@ -168,7 +158,7 @@ class _Open:
         self.twins = None
         if twin is not None:
             again = kind.children(twin)[0]
-        elif not _writable(kind):
+        elif not kind.writable:
             again = kind.children(obj)[0]
         else:
             return
@@ -178,7 +168,7 @@ class _Open:
 
 
 def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError:
-    what = "frozen dataclass" if _writable(kind) else kind.name
+    what = "frozen dataclass" if kind.writable else kind.name
     if action == "tied.gradient":
         fix = (
             "Use explicit mode, which needs no writing: g = tied.grad(lambda m: loss(m))(model), "
@@ -243,9 +233,7 @@ def restore(places: list[list[Slot]], values: Sequence[Any], *, action: str) -> 
         ) from first
 
 
-def check_written(
-    model: Any, gdef: GraphDef, expected: list, places: list[list[Slot]], *, why: str
-) -> None:
+def check_written(model: Any, gdef: GraphDef, expected: list, places: list[list[Slot]], *, why: str) -> None:
     """Check that a walk of ``model`` now finds ``expected`` (by identity) with ``gdef``.
 
     For writes that every reader of the model must see. Raises a `GraphError`

@@ -18,7 +18,9 @@ walked, and no call stalls for seconds on a compile. With
 against the plain walk.
 
 This file decides nothing about sharing: it replays decisions recorded in a
-GraphDef by the walk.
+GraphDef by the walk. It imports only the core below it (`_kinds`, `_classify`,
+`_graphdef`); `_graph` calls it. A kind with no faster emission here is handled
+through its own ``children``, ``make``, ``shell`` and ``fill``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,24 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import _graph as g
+import numpy as np
+
+from ._classify import _STATIC, _array_types, _type_cache
+from ._graphdef import GraphDef, _traverse, rebuild_order, untracked, view_failed
+from ._kinds import (
+    _MUTABLE,
+    DICT,
+    KINDS,
+    LIST,
+    NAMEDTUPLE,
+    PYTREE,
+    SLOTS,
+    TUPLE,
+    VIEW,
+    _pytree_def,
+    _registry,
+)
+from ._strict import _same_strict, _strict
 from ._view import View
 
 # Python's compile() costs some 20 to 50 times a walk step per generated line, so the
@@ -65,12 +84,14 @@ def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
     return out
 
 
-def _walk_order(gdef: g.GraphDef) -> list[tuple[int, int, int]]:
+def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
     """(parent node, child position, ref) for every place, in the walk's order."""
-    return [(parent, i, r) for _, _, r, _, parent, i in g._traverse(gdef)]
+    return [(parent, i, r) for _, _, r, _, parent, i in _traverse(gdef, paths=False)]
 
 
-def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
+# A generated-code emitter: one straight-line plan, one branch per kind of node; split
+# up, every piece would thread the namespace, the emitted lines and the bound locals.
+def compile_flatten(gdef: GraphDef) -> Callable[[Any], list | None] | None:
     """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made
     (a static the walk must look into, or a graph too large to be worth compiling).
 
@@ -83,16 +104,16 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
     JAX-registered nodes, views) are type-checked before.
     """
     for s in gdef.statics:
-        if g._type_cache.get(type(s)) is not g._STATIC:
+        if _type_cache.get(type(s)) is not _STATIC:
             return None  # an object whose arrays the walk must look for each time
     if 1 + sum(len(rec[2]) for rec in gdef.records) > MAX_PLAN_LINES:  # a line or more per place
         return None
     order = _walk_order(gdef)
     records = gdef.records
-    ns: dict[str, Any] = {"AT": g._array_types, "M": _Miss, "View": View, "STRICT": g._strict}
-    ns["SAME"] = g._same_strict
+    ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
+    ns["SAME"] = _same_strict
     ns["is_"], ns["is_not"] = operator.is_, operator.is_not
-    ns["FOL"] = g._registry.flatten_one_level
+    ns["FOL"] = _registry.flatten_one_level
     ns["chain"] = itertools.chain
     ns["STR"] = frozenset((str,))
     lines = ["def plan(root):"]
@@ -144,10 +165,10 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         n = len(refs)
         v = f"n{q}"
         emit(f" {v} = {expr}")
-        if not g.untracked(records[q]):
+        if not untracked(records[q]):
             tracked_nodes.append((v, records[q]))
-        if kind == g.LIST or kind == g.TUPLE:
-            typ = "list" if kind == g.LIST else "tuple"
+        if kind == LIST or kind == TUPLE:
+            typ = "list" if kind == LIST else "tuple"
             emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
             child_expr[q] = [f"{v}[{k}]" for k in range(n)]
             leaf_qs = [c // 3 for c in refs if c % 3 == 0]
@@ -160,7 +181,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                     emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
                     seen_leaf.update(leaf_qs)
                     bulk.add(q)
-        elif kind == g.DICT:
+        elif kind == DICT:
             keys, order = meta
             ks = const(keys, "K")
             inserted = const(keys if order is None else order, "KI")
@@ -171,34 +192,34 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
                 if n:
                     str_dicts.append(v)  # equal exact-str keys: the same keys
             else:  # 1 == 1.0 == True: compare the keys themselves, type and bits
-                sk = const(tuple(map(g._strict, keys if order is None else order)), "SK")
+                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
                 emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
-        elif kind == g.OBJ:
+        elif KINDS[kind].fields_in_dict:
             objects.append((v, f"d{q}", meta[0], meta[1]))
             emit(f" d{q} = {v}.__dict__")
             child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
-        elif kind == g.NAMEDTUPLE:
+        elif kind == NAMEDTUPLE:
             t = const(meta, "T")
             emit(f" if type({v}) is not {t} or len({v}) != {n}: raise M")
             child_expr[q] = [f"{v}[{k}]" for k in range(n)]
-        elif kind == g.PYTREE:
+        elif kind == PYTREE:
             t = const(meta[0], "T")
             aux = const(meta[1], "AUX")
-            saux = const(g._strict(meta[1]), "SAUX")
+            saux = const(_strict(meta[1]), "SAUX")
             emit(f" if type({v}) is not {t}: raise M")
             emit(f" c{q}, a{q} = FOL({v})")
             emit(f" if len(c{q}) != {n} or not SAME(a{q}, {aux}, {saux}): raise M")
             child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
-        elif kind == g.VIEW:
+        elif kind == VIEW:
             fn = const(meta, "FN")
-            sfn = const(g._strict(meta), "SFN")
+            sfn = const(_strict(meta), "SFN")
             emit(f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M")
             child_expr[q] = [f"{v}.source"]
         else:  # any other kind: its own children(), its meta compared strictly
-            t = const(g.KINDS[kind].type_of(meta), "T")
-            ch = const(g.KINDS[kind].children, "CH")
+            t = const(KINDS[kind].type_of(meta), "T")
+            ch = const(KINDS[kind].children, "CH")
             m = const(meta, "MT")
-            smeta = const(g._strict(meta), "SM")
+            smeta = const(_strict(meta), "SM")
             emit(f" if type({v}) is not {t}: raise M")
             emit(f" c{q}, a{q} = {ch}({v})")
             emit(f" if len(c{q}) != {n} or not SAME(a{q}, {m}, {smeta}): raise M")
@@ -221,7 +242,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
         # value: by == where == is exact (str, int, None, functions...), by bits where it is
         # not (floats and complex numbers: -0.0 == 0.0; tuples holding them; numpy scalars).
         types = const(tuple(type(x) for x in static_values), "ST")
-        ambiguous = (float, complex, tuple, g.np.generic)
+        ambiguous = (float, complex, tuple, np.generic)
         bits = [k for k, x in enumerate(static_values) if isinstance(x, ambiguous)]
         plain = [k for k in range(len(static_values)) if k not in set(bits)]
         checks = [f"tuple(map(type, sv)) != {types}"]
@@ -229,7 +250,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
             pv = const(tuple(static_values[k] for k in plain), "PV")
             checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
         if bits:
-            bv = const(tuple(g._strict(static_values[k]) for k in bits), "BV")
+            bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
             checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
         emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
     emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
@@ -253,7 +274,7 @@ def compile_flatten(gdef: g.GraphDef) -> Callable[[Any], list | None] | None:
 
 def _identity_hashed(record: tuple) -> bool:
     """An attribute-holding node whose class hashes and compares by identity."""
-    if record[0] != g.OBJ:
+    if not KINDS[record[0]].fields_in_dict:
         return False
     cls = record[1][0]
     return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
@@ -274,15 +295,16 @@ def _plain_attributes(cls: type, names: tuple) -> bool:
     return True
 
 
-def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any], Any] | None:
+# A generated-code emitter (as `compile_flatten`): the constructor calls in build order.
+def compile_unflatten(gdef: GraphDef, materialize: bool) -> Callable[[Any, Any], Any] | None:
     """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``
     (None for a graph too large to be worth compiling: `unflatten` then walks)."""
     records = gdef.records
     if len(records) + gdef.num_leaves > MAX_PLAN_LINES:
         return None
-    mutable, post = g._rebuild_plan(gdef)
+    mutable, post = rebuild_order(gdef)
     ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
-    ns["VF"], ns["G"] = g.view_failed, gdef
+    ns["VF"], ns["G"] = view_failed, gdef
     lines = ["def build(L, S):"]
     emit = lines.append
 
@@ -295,63 +317,64 @@ def compile_unflatten(gdef: g.GraphDef, materialize: bool) -> Callable[[Any, Any
 
     for j in mutable:
         kind, meta, _ = records[j]
-        if kind == g.LIST:
+        if kind == LIST:
             emit(f" n{j} = []")
-        elif kind == g.DICT:
+        elif kind == DICT:
             emit(f" n{j} = {{}}")
-        elif kind in (g.OBJ, g.SLOTS):
+        elif KINDS[kind].fields_in_dict or kind == SLOTS:
             ns[f"T{j}"] = meta[0]
             emit(f" n{j} = new(T{j})")
         else:
-            ns[f"SH{j}"], ns[f"M{j}"] = g.KINDS[kind].shell, meta
+            ns[f"SH{j}"], ns[f"M{j}"] = KINDS[kind].shell, meta
             emit(f" n{j} = SH{j}(M{j})")
+
     def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
-        if kind == g.LIST:
+        if kind == LIST:
             emit(f" n{j}.extend({args(refs)})")
-        elif kind == g.DICT:
+        elif kind == DICT:
             keys, order = meta
             if order is not None:  # fill in the model's insertion order
                 position = {k: i for i, k in enumerate(keys)}
                 keys, refs = order, tuple(refs[position[k]] for k in order)
             ns[f"K{j}"] = keys
             emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
-        elif kind == g.OBJ and _plain_attributes(meta[0], meta[1]):
+        elif KINDS[kind].fields_in_dict and _plain_attributes(meta[0], meta[1]):
             for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
                 emit(f" n{j}.{name} = {ref(r)}")
-        elif kind == g.OBJ:
+        elif KINDS[kind].fields_in_dict:
             ns[f"N{j}"] = meta[1]
             emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
         else:
-            ns[f"FL{j}"], ns[f"M{j}"] = g.KINDS[kind].fill, meta
+            ns[f"FL{j}"], ns[f"M{j}"] = KINDS[kind].fill, meta
             emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
 
     # Children before parents: a mutable node is filled, an immutable one built, once
     # its children are complete (shells above stand in on a cycle).
     for j in post:
         kind, meta, refs = records[j]
-        if kind in g._MUTABLE:
+        if kind in _MUTABLE:
             if refs:
                 fill(j, kind, meta, refs)
-        elif kind == g.TUPLE:
+        elif kind == TUPLE:
             emit(f" n{j} = {args(refs)}")
-        elif kind == g.NAMEDTUPLE:
+        elif kind == NAMEDTUPLE:
             ns[f"T{j}"] = meta
             emit(f" n{j} = T{j}(*{args(refs)})")
-        elif kind == g.PYTREE:
-            ns[f"P{j}"] = g._pytree_def(meta, len(refs))
+        elif kind == PYTREE:
+            ns[f"P{j}"] = _pytree_def(meta, len(refs))
             emit(f" n{j} = P{j}.unflatten({args(refs)})")
-        elif kind == g.VIEW and materialize:
-            ns[f"F{j}"] = meta
+        elif materialize and KINDS[kind].materializes:
+            ns[f"MZ{j}"], ns[f"M{j}"] = KINDS[kind].materialize, meta
             emit(f" s{j} = {ref(refs[0])}")
             emit(" try:")
-            emit(f"  n{j} = F{j}(s{j})")
+            emit(f"  n{j} = MZ{j}(M{j}, [s{j}])")
             emit(" except Exception as e:")
-            emit(f"  raise VF(G, {j}, F{j}, s{j}, e) from e")
-        elif kind == g.VIEW:
+            emit(f"  raise VF(G, {j}, M{j}, s{j}, e) from e")
+        elif kind == VIEW:
             ns[f"F{j}"] = meta
             emit(f" n{j} = View({ref(refs[0])}, F{j})")
         else:
-            ns[f"MK{j}"], ns[f"M{j}"] = g.KINDS[kind].make, meta
+            ns[f"MK{j}"], ns[f"M{j}"] = KINDS[kind].make, meta
             emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
     if len(lines) > MAX_PLAN_LINES:
         return None
