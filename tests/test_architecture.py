@@ -27,12 +27,7 @@ KNOWN_LONG = {
     "demo.main": "the demo script's body: split argument parsing, training and sampling",
     "_checkpoint.match_keys": "split the key matching from the error it builds",
 }
-KNOWN_CIRCLE_EDGES = {
-    # _state.register_state imports _graph (inside the function) to register the class,
-    # while the core imports _state for State and is_state_type. Fix: move register_state
-    # into _classify (above _state) and import it from there in tied/__init__.py.
-    ("_state", "_graph"),
-}
+KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()  # none left
 
 
 def _modules() -> dict[str, ast.Module]:

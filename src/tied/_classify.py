@@ -42,7 +42,8 @@ from ._kinds import (
     _slotted_dataclasses,
     _WalkError,
 )
-from ._state import Rng, State, _state_types
+from ._state import Rng, State, _state_cache, _state_types
+from ._state import _lock as _state_lock
 from ._view import View
 
 # Classification of a type (cached): array, static, a node kind, or unknown.
@@ -341,6 +342,41 @@ def _unknown_static(x: Any) -> None:
         )
 
     raise _WalkError(message)
+
+
+def register_state(cls: type) -> type:
+    """Declare a class of state cells: the arrays below its instances are state.
+
+    State is never a parameter: it gets no gradient, no optimiser state and is
+    not counted by `tied.param_count`; `tied.jit` writes its new values back into
+    the caller's objects. A class the walk does not enter yet (a plain class) is
+    also given to `tied.register`. Usable as a class decorator.
+
+    Args:
+        cls: the cell class (typically one holding ``.value``).
+
+    Returns:
+        ``cls`` itself.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> @tied.register_state
+        ... class Counter:
+        ...     def __init__(self):
+        ...         self.value = jnp.zeros((), jnp.int32)
+        >>> model = {"w": jnp.ones(2), "calls": Counter()}
+        >>> tied.is_state(model, "['calls'].value"), tied.is_state(model, "['w']")
+        (True, False)
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"tied.register_state expects a class, got {cls!r}.")
+    if not is_walkable_type(cls):  # the walk must be able to enter it
+        register(cls)
+    with _state_lock:
+        _state_types.add(cls)
+        _state_cache.clear()
+    clear_caches()
+    return cls
 
 
 # The state cells of `_state`. `State` is its own kind (by type, above); `Rng` holds a

@@ -3,7 +3,8 @@
 A `State` is a cell node whose ``.value`` holds an array (or a pytree of arrays):
 running statistics, a step counter, a cache. `Rng` is a random stream: a fixed key
 and a `State` counter. Other libraries' cells count as state too (every Flax NNX
-``Variable`` that is not a ``Param``), and `register_state` declares a user's own.
+``Variable`` that is not a ``Param``), and `tied.register_state` (in `_classify`,
+beside `register`) declares a user's own.
 
 The core walk reads `is_state_type` to mark the arrays below a state cell
 (`GraphDef.state_leaves`); everything above it (gradients, optimisers, jit's
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["State", "Rng", "register_state", "is_state_type"]
+__all__ = ["State", "Rng", "is_state_type"]
 
 _state_types: set[type] = set()  # classes given to register_state (State included)
 _state_cache: dict[type, bool] = {}
@@ -49,43 +50,6 @@ def _classify_state(t: type) -> bool:
         if isinstance(variable, type) and issubclass(t, variable):
             return not (isinstance(param, type) and issubclass(t, param))
     return False
-
-
-def register_state(cls: type) -> type:
-    """Declare a class of state cells: the arrays below its instances are state.
-
-    State is never a parameter: it gets no gradient, no optimiser state and is
-    not counted by `tied.param_count`; `tied.jit` writes its new values back into
-    the caller's objects. A class the walk does not enter yet (a plain class) is
-    also given to `tied.register`. Usable as a class decorator.
-
-    Args:
-        cls: the cell class (typically one holding ``.value``).
-
-    Returns:
-        ``cls`` itself.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, tied
-        >>> @tied.register_state
-        ... class Counter:
-        ...     def __init__(self):
-        ...         self.value = jnp.zeros((), jnp.int32)
-        >>> model = {"w": jnp.ones(2), "calls": Counter()}
-        >>> tied.is_state(model, "['calls'].value"), tied.is_state(model, "['w']")
-        (True, False)
-    """
-    if not isinstance(cls, type):
-        raise TypeError(f"tied.register_state expects a class, got {cls!r}.")
-    from . import _graph  # the walk must be able to enter it (imported late: _graph imports us)
-
-    if not _graph.is_walkable_type(cls):
-        _graph.register(cls)
-    with _lock:
-        _state_types.add(cls)
-        _state_cache.clear()
-    _graph.clear_caches()
-    return cls
 
 
 def _check_value(new: Any, old: Any) -> Any:
