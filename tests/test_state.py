@@ -439,3 +439,46 @@ def test_a_loss_that_changes_the_models_structure_is_refused_naming_the_place():
     with pytest.raises(tied.GraphError, match=message):
         tied.grad(lossf)(model)
     assert set(model) == {"w", "s"} and float(model["s"].value) == 0.0
+
+
+def test_a_state_holding_a_tuple_is_written_back_whole():
+    s = tied.State((jnp.zeros(2), jnp.ones(2)))
+    model = {"a": s, "b": [s]}
+
+    @tied.jit
+    def f(m):
+        first, second = m["a"].value
+        m["b"][0].value = (first + 1, second)
+
+    f(model)
+    f(model)
+    assert model["a"] is model["b"][0] is s
+    np.testing.assert_array_equal(s.value[0], 2 * np.ones(2))
+    np.testing.assert_array_equal(s.value[1], np.ones(2))
+
+
+def test_nnx_batch_stats_and_rng_counts_are_written_back_like_nnx_jit():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.lin(x)))
+
+    ours, ref = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+    x = jnp.arange(6.0).reshape(2, 3)
+    ours_step = tied.jit(lambda m: tied.grad(lambda m: m(x).sum())(m))
+    ref_step = nnx.jit(lambda m: nnx.grad(lambda m: m(x).sum())(m))
+    for _ in range(3):
+        ours_step(ours)
+        ref_step(ref)
+    for kind in (nnx.BatchStat, nnx.RngCount):
+        ours_v = jax.tree_util.tree_leaves(nnx.state(ours, kind))
+        ref_v = jax.tree_util.tree_leaves(nnx.state(ref, kind))
+        for a, b in zip(ours_v, ref_v, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(ours.drop.rngs.count[...]) == 3

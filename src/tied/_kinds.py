@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from ._state import is_state_type
+from ._state import is_nnx_variable, is_state_type
 from ._strict import _strict
 from ._view import View
 
@@ -134,6 +134,10 @@ class Kind:
 
     def setter(self, meta: Any, obj: Any, i: int) -> Callable[[Any], None]:
         raise NotImplementedError
+
+    def can_write(self, meta: Any) -> bool:
+        """Whether a child of a live node with this meta can be replaced in place."""
+        return self.writable
 
     def type_of(self, meta: Any) -> type:
         return meta[0]
@@ -460,6 +464,15 @@ class _Pytree(Kind):
         if len(children) != n:
             raise _Mismatch(f"a {meta[0].__name__} with {n} children")
         return children
+
+    def can_write(self, meta):
+        return is_nnx_variable(meta[0])  # a Flax NNX Variable's value can be set in place
+
+    def setter(self, meta, obj, i):
+        set_value = getattr(obj, "set_value", None)
+        if set_value is not None:
+            return set_value
+        return lambda v: setattr(obj, "value", v)
 
 
 class _View(Kind):

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from ._graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten
 
 __all__ = ["lock", "Slot", "slots", "write", "restore", "check_written", "changed"]
@@ -113,7 +115,7 @@ def slots(
     opened: dict[int, _Open] = {}
     for place in gdef.walk_places():
         if place.parent < 0:
-            obj, twin = model, None
+            obj, twin, node = model, None, None
             if place.kind == "array" and place.index in wanted:
                 raise GraphError(
                     f"<root>: {action} writes new arrays into the model's containers, but the "
@@ -128,16 +130,59 @@ def slots(
             twin = node.twins[i] if node.twins is not None else None
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
-                if not kind.writable or (not frozen_ok and _is_frozen_dataclass(node.obj)):
+                slot: Any = None
+                if not kind.can_write(node.meta):
+                    slot = _cell_slot(place, node, opened)
+                    if slot is None:
+                        raise _immutable_error(place.path, kind, node.obj, action)
+                elif not frozen_ok and _is_frozen_dataclass(node.obj):
                     raise _immutable_error(place.path, kind, node.obj, action)
                 if node.twin is not None:
                     raise _transient_error(place.path, node.obj, action)
-                out[wanted[place.index]].append(Slot(place.path, kind, node.meta, node.obj, i))
+                if slot is None:
+                    slot = Slot(place.path, kind, node.meta, node.obj, i)
+                out[wanted[place.index]].append(slot)
                 continue
         if place.kind in ("array", "static") or not place.first:
             continue
-        opened[place.index] = _Open(obj, KIND_BY_NAME[place.kind], twin)
+        opened[place.index] = _Open(obj, KIND_BY_NAME[place.kind], twin, place, node)
     return out
+
+
+class _CellSlot:
+    """A place inside an immutable value (a tuple) held by a state cell: written by putting a
+    rebuilt value into the cell (a cell's value is its own, never shared elsewhere)."""
+
+    __slots__ = ("path", "_cell", "_keys")
+
+    def __init__(self, path: str, cell: Any, keys: tuple):
+        self.path, self._cell, self._keys = path, cell, keys
+
+    def __call__(self, value: Any) -> None:
+        d = self._cell.__dict__
+        d["value"] = jax.tree_util.tree_map_with_path(
+            lambda p, x: value if tuple(p) == self._keys else x, d["value"]
+        )
+
+    def get(self, cache: dict | None = None) -> Any:
+        found = [
+            x
+            for p, x in jax.tree_util.tree_leaves_with_path(self._cell.__dict__["value"])
+            if tuple(p) == self._keys
+        ]
+        return found[0] if found else CHANGED
+
+
+def _cell_slot(place: Any, node: _Open, opened: dict) -> _CellSlot | None:
+    """A `_CellSlot` for an array place whose container cannot be written, when a
+    `tied.State` above it holds the immutable containers in between; else None."""
+    keys = [place.key]
+    while node is not None and not node.kind.can_write(node.meta):
+        keys.append(node.place.key)
+        node = node.up
+    if node is None or node.kind.name != "state" or not keys or str(keys[-1]) != ".value":
+        return None
+    return _CellSlot(place.path, node.obj, tuple(reversed(keys[:-1])))
 
 
 class _Open:
@@ -150,15 +195,16 @@ class _Open:
     for a node the model stores); ``twins[i]``, that of child i.
     """
 
-    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins")
+    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins", "place", "up")
 
-    def __init__(self, obj: Any, kind: Kind, twin: Any):
+    def __init__(self, obj: Any, kind: Kind, twin: Any, place: Any = None, up: Any = None):
         self.obj, self.kind, self.twin, self.next = obj, kind, twin, 0
+        self.place, self.up = place, up  # its own place, and the node holding it
         self.children, self.meta = kind.children(obj)
         self.twins = None
         if twin is not None:
             again = kind.children(twin)[0]
-        elif not kind.writable:
+        elif not kind.can_write(self.meta):
             again = kind.children(obj)[0]
         else:
             return

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["State", "Rng", "is_state_type"]
+__all__ = ["State", "Rng", "is_state_type", "is_nnx_variable"]
 
 _state_types: set[type] = set()  # classes given to register_state (State included)
 _state_cache: dict[type, bool] = {}
@@ -38,6 +38,21 @@ def is_state_type(t: type) -> bool:
         r = _classify_state(t)
         with _lock:
             _state_cache[t] = r
+    return r
+
+
+_nnx_cache: dict[type, bool] = {}
+
+
+def is_nnx_variable(t: type) -> bool:
+    """Whether ``t`` is a Flax NNX ``Variable`` (a cell whose value can be set in place)."""
+    r = _nnx_cache.get(t)
+    if r is None:
+        nnx = sys.modules.get("flax.nnx")  # never import flax: only a model holding it has it
+        variable = getattr(nnx, "Variable", None) if nnx is not None else None
+        r = isinstance(variable, type) and issubclass(t, variable)
+        if nnx is not None:
+            _nnx_cache[t] = r
     return r
 
 
