@@ -8,12 +8,14 @@ good). Both go through `slots`, which finds every place of the chosen unique
 arrays in the live model, from the `GraphDef` of a `flatten` of it, and refuses
 a place that cannot be written, naming its path, before anything is written.
 
-Threads. While tied writes into a model, other threads that read it see what
-is written: traced values during `tied.gradient`, a half-updated tie during
-`update_inplace`. Every write happens under one re-entrant lock, `lock` (public
-as ``tied.live_lock``); `Params`, `Grads.to_tree` and the writers take it, and
-a thread that reads a model directly (a forward pass, a save) while another
-may be writing into it takes it too::
+Threads. While tied writes into a model, other threads that read it directly
+would see what is written: traced values during `tied.gradient`, a half-updated
+tie during `update_inplace`. Every write happens under one re-entrant lock,
+`lock` (public as ``tied.live_lock``, defined with the walk in `_graph`). Every
+reader in tied waits for it: each `flatten` takes it, so `tied.flatten`,
+`tied.map`, `tied.save`, `tied.grad`, `tied.jit`, `tied.ties` and the rest see
+whole writes only. A thread that reads a model with its own code (a forward
+pass) while another may be writing into it takes it too::
 
     with tied.live_lock:
         y = model(x)      # never sees a traced value or a half-written tie
@@ -25,17 +27,16 @@ layer.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from ._graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten
+from ._graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten, live_lock
 
 __all__ = ["lock", "Slot", "slots", "write", "restore", "check_written", "changed"]
 
-lock = threading.RLock()
+lock = live_lock  # the walk's lock: every flatten waits for a write in progress
 
 
 class Slot:
@@ -89,7 +90,7 @@ def _is_frozen_dataclass(obj: Any) -> bool:
 
 
 def slots(
-    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool
+    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool, _record: Any = None
 ) -> list[list[Slot]]:
     """For each unique array index in ``which``, a `Slot` for every place of it in ``model``.
 
@@ -115,7 +116,7 @@ def slots(
     opened: dict[int, _Open] = {}
     for place in gdef.walk_places():
         if place.parent < 0:
-            obj, twin, node = model, None, None
+            obj, twin, node, pos = model, None, None, -1
             if place.kind == "array" and place.index in wanted:
                 raise GraphError(
                     f"<root>: {action} writes new arrays into the model's containers, but the "
@@ -127,6 +128,7 @@ def slots(
             i = node.next
             node.next = i + 1
             obj = node.children[i]
+            pos = i
             twin = node.twins[i] if node.twins is not None else None
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
@@ -141,11 +143,16 @@ def slots(
                     raise _transient_error(place.path, node.obj, action)
                 if slot is None:
                     slot = Slot(place.path, kind, node.meta, node.obj, i)
+                if _record is not None:
+                    _record.append((wanted[place.index], place.parent, slot))
                 out[wanted[place.index]].append(slot)
                 continue
         if place.kind in ("array", "static") or not place.first:
             continue
-        opened[place.index] = _Open(obj, KIND_BY_NAME[place.kind], twin, place, node)
+        opened[place.index] = new = _Open(obj, KIND_BY_NAME[place.kind], twin, place, node)
+        new.pos = pos
+    if _record is not None:
+        _record.append(opened)
     return out
 
 
@@ -195,7 +202,7 @@ class _Open:
     for a node the model stores); ``twins[i]``, that of child i.
     """
 
-    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins", "place", "up")
+    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins", "place", "up", "pos")
 
     def __init__(self, obj: Any, kind: Kind, twin: Any, place: Any = None, up: Any = None):
         self.obj, self.kind, self.twin, self.next = obj, kind, twin, 0
