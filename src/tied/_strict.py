@@ -7,8 +7,10 @@ kinds' metas and compiled plans compare. Imports nothing of `tied`.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import struct
+import types
 from typing import Any
 
 import numpy as np
@@ -17,19 +19,71 @@ import numpy as np
 def _strict(v: Any) -> Any:
     """A key that is equal only for values that rebuild identically: the type and, for
     numbers, the bits (``-0.0`` differs from ``0.0``, ``1.0`` from ``1``, a NaN equals
-    itself). Tuples are compared element by element."""
+    itself). Tuples, lists and dicts are compared element by element, a dataclass whose
+    ``__eq__`` is the generated one and compares every field by its fields; any other
+    object whose ``==`` cannot be trusted to mean "rebuilds identically" (a user's
+    ``__eq__``, a field left out of comparison) by identity."""
     t = type(v)
     if t is str or t is int or v is None or t is bool:
         return (t, v)
     if t is float:
         return (t, _pack_d(v))
-    if t is tuple:
+    if t is tuple or t is list:
         return (t, tuple(map(_strict, v)))
     if t is complex:
         return (t, _pack_d(v.real), _pack_d(v.imag))
     if isinstance(v, np.generic):
         return (t, v.tobytes())
-    return (t, v)
+    if t is dict:
+        return (t, tuple((_strict(k), _strict(x)) for k, x in v.items()))
+    if t in _EXACT or isinstance(v, _EXACT_BASES):
+        return (t, v)
+    fields = _compared_fields(t)
+    if fields is not None:
+        return (t, tuple(_strict(getattr(v, name)) for name in fields))
+    return (t, _Identity(v))
+
+
+class _Identity:
+    """Stands for an object compared by identity (its ``==`` is not trusted)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Identity and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+# Types whose `==` is identity or exact value equality of things already strict.
+_EXACT = {bytes, type, range, slice, type(Ellipsis), np.dtype, types.FunctionType, types.BuiltinFunctionType}
+_EXACT_BASES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, np.dtype)
+
+_fields_cache: dict[type, Any] = {}
+
+
+def _compared_fields(t: type) -> tuple[str, ...] | None:
+    """The fields a dataclass's generated ``__eq__`` compares, when it compares all of them
+    and nothing overrides it; else None (compare by identity)."""
+    try:
+        return _fields_cache[t]
+    except KeyError:
+        pass
+    out = None
+    params = getattr(t, "__dataclass_params__", None)
+    if params is not None and params.eq and dataclasses.is_dataclass(t):
+        eq = t.__dict__.get("__eq__")
+        code = getattr(eq, "__code__", None)
+        fields = dataclasses.fields(t)
+        generated = code is not None and code.co_filename == "<string>"
+        if generated and all(f.compare for f in fields):
+            out = tuple(f.name for f in fields)
+    _fields_cache[t] = out
+    return out
 
 
 _pack_d = struct.Struct("<d").pack
