@@ -496,3 +496,12 @@ def test_nnx_batch_stats_and_rng_counts_are_written_back_like_nnx_jit():
         for a, b in zip(ours_v, ref_v, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert int(ours.drop.rngs.count[...]) == 3
+
+
+def test_implicit_gradient_inside_an_outer_jit_over_a_captured_model_refuses_and_restores():
+    norm = Norm(3)
+    model = Net(norm, Norm(3))
+    with pytest.raises(tied.GraphError, match="enclosing transform"):
+        jax.jit(lambda x: tied.gradient(lambda: loss(model, x), tied.params(model))[model.first.scale])(X)
+    assert not any(isinstance(x, jax.core.Tracer) for x in tied.flatten(model)[0])
+    assert int(norm.calls.value) == 0
