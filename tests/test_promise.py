@@ -73,3 +73,77 @@ def test_equal_static_configs_still_share_a_compiled_function():
     g(B(jnp.ones(2), Plain(2.0)))
     g(B(jnp.ones(2), Plain(2.0)))  # a new, equal config: compared field by field
     assert len(traces) == 1
+
+
+# ---------------------------------------------------------------- arrays in static data (point 1)
+
+
+class Holder(eqx.Module):
+    layer: tied.nn.Dense = eqx.field(static=True)
+    lin: eqx.nn.Linear
+
+
+def test_a_tied_layer_in_an_equinox_static_field_is_refused_naming_its_path():
+    dense = tied.nn.Dense(2, 2, key=jax.random.key(0))
+    h = Holder(dense, eqx.nn.Linear(2, 2, key=jax.random.key(1)))
+    message = r"<root>: the static \(auxiliary\) data of this Holder holds arrays or a tied layer"
+    for use in (tied.param_count, lambda m: tied.grad(lambda m: m.lin(jnp.ones(2)).sum())(m), tied.flatten):
+        with pytest.raises(tied.GraphError, match=message):
+            use(h)
+    with pytest.raises(tied.GraphError, match=r"^\['h'\]: the static"):
+        tied.flatten({"h": h})
+
+
+def test_an_equinox_layer_in_a_static_field_is_refused_too():
+    class H(eqx.Module):
+        inner: eqx.nn.Linear = eqx.field(static=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Equinox's own "JAX array set as static" warning
+        h = H(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+    with pytest.raises(tied.GraphError, match="drop eqx.field\\(static=True\\)"):
+        tied.flatten(h)
+
+
+def test_equinox_modules_may_hold_tied_layers_as_regular_fields():
+    class Wrap(eqx.Module):
+        layer: tied.nn.Dense
+        scale: float = eqx.field(static=True, default=2.0)
+
+        def __call__(self, x):
+            return self.scale * self.layer(x)
+
+    d = tied.nn.Dense(2, 2, key=jax.random.key(0))
+    model = [Wrap(d), Wrap(d)]
+    g = tied.grad(lambda m: (m[0](jnp.ones(2)) + m[1](jnp.ones(2))).sum())(model)
+    ref = jax.grad(lambda w: 2 * (2.0 * (jnp.ones(2) @ w.T + d.bias)).sum())(d.weight)
+    assert g[0].layer.weight is g[1].layer.weight
+    np.testing.assert_allclose(g[0].layer.weight, ref, rtol=1e-6)
+
+
+def test_plain_jax_inside_a_modules_own_init_still_refuses_a_tied_layer():
+    seen = []
+
+    class Init(eqx.Module):
+        layer: tied.nn.Dense
+
+        def __init__(self, layer):
+            try:
+                jax.tree_util.tree_leaves(layer)
+            except TypeError as e:
+                seen.append(str(e))
+            self.layer = layer
+
+    class Check(eqx.Module):
+        layer: tied.nn.Dense
+
+        def __check_init__(self):
+            try:
+                jax.tree_util.tree_leaves(self.layer)
+            except TypeError as e:
+                seen.append(str(e))
+
+    d = tied.nn.Dense(2, 2, key=jax.random.key(0))
+    Init(d)
+    Check(d)
+    assert len(seen) == 2 and all("tied.grad" in m for m in seen)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import sys
 import threading
 import types
@@ -85,20 +84,31 @@ class _Opaque:
 
 
 def _called_from_equinox_init() -> bool:
-    """Equinox scans a module's constructor arguments with ``tree_leaves`` (for jitted
-    functions stored as fields); a tied layer held by an Equinox module must pass that
-    scan, so there it is one leafless node. Every other JAX call is refused."""
+    """Whether the JAX call asking to flatten a tied node comes straight from Equinox's own
+    constructor checks (`_ModuleMeta.__call__`: its ``tree_leaves`` scan of a module's
+    constructor arguments, and its static-field check), recognised by the identity of the
+    installed Equinox's code object, past JAX's own frames only. There a tied layer held by
+    an Equinox module is one leafless node (a tied layer in a static field is then refused
+    by the walk, which checks static data); every other JAX call is refused."""
+    codes = _equinox_codes()
+    if not codes:
+        return False
     f = sys._getframe(2)
-    for _ in range(4):
-        if f is None:
-            return False
-        if f.f_code.co_name == "__call__" and f.f_code.co_filename.endswith(_EQX_MODULE_FILE):
-            return True
+    while f is not None and f.f_globals.get("__name__", "").startswith("jax."):
         f = f.f_back
-    return False
+    return f is not None and f.f_code in codes
 
 
-_EQX_MODULE_FILE = os.path.join("equinox", "_module", "_module.py")
+def _equinox_codes() -> frozenset:
+    """The code objects of the installed Equinox's module constructor (None loaded: empty)."""
+    codes = []
+    for name in ("equinox._module._module", "equinox._module"):
+        meta = getattr(sys.modules.get(name), "_ModuleMeta", None)
+        call = meta.__dict__.get("__call__") if isinstance(meta, type) else None
+        code = getattr(call, "__code__", None)
+        if code is not None:
+            codes.append(code)
+    return frozenset(codes)
 
 
 def _refuse_jax_flatten(cls: type) -> None:

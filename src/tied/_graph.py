@@ -33,6 +33,7 @@ from ._classify import (
     _STATIC,
     _UNKNOWN,
     _cache_lock,
+    _has_arrays,
     _kind,
     _unknown_static,
     clear_caches,
@@ -216,15 +217,22 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
                 _seen_once.clear()
             _seen_once[gdef] = gdef
         return gdef
-    if first._plans.get("no flatten plan"):
+    plans = first._plans
+    if plans.get("no flatten plan"):
         return first
-    plan = compile_flatten(first)
-    if plan is None:  # none can be made: never try again for this structure
-        first._plans["no flatten plan"] = True
-    else:
-        with _cache_lock:
-            _seen_once.pop(first, None)
-            old = cache.get(type(tree), ())
+    # One plan per structure, shared by every cache: the structure stays interned, so that
+    # every later flatten of it (planned or walked, in any cache) gives this very object
+    # and the caches keyed on it (tied.jit's compiled functions) hit by identity.
+    plan = plans.get("flatten plan")
+    if plan is None:
+        plan = compile_flatten(first)
+        if plan is None:  # none can be made: never try again for this structure
+            plans["no flatten plan"] = True
+            return first
+        plans["flatten plan"] = plan
+    with _cache_lock:
+        old = cache.get(type(tree), ())
+        if not any(g is first for g, _ in old):
             cache[type(tree)] = ((first, plan),) + old[: _MAX_PLANS_PER_TYPE - 1]
     return first
 
@@ -243,6 +251,20 @@ def _value_record(k: int, x: Any, records: list, statics: list) -> int:
         refs.append(3 * len(statics) - 1)
     records.append((k, KINDS[k].children(x)[1], tuple(refs)))
     return 3 * j + 1
+
+
+def _arrays_in_static_data(x: Any) -> None:
+    name = type(x).__qualname__
+
+    def message(path: str) -> str:
+        return (
+            f"{path}: the static (auxiliary) data of this {name} holds arrays or a tied layer: "
+            "JAX and tied treat static data as a constant, so they would get no gradient, no "
+            "optimiser step, no place in a checkpoint, and be left behind by every rebuild. "
+            "Make it a regular field (for an Equinox module: drop eqx.field(static=True) from it)."
+        )
+
+    raise _WalkError(message)
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:
@@ -289,6 +311,9 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         children, meta = KINDS[k].children(x)
         if k in _FRESH:
             alive.append(children)
+        aux = KINDS[k].user_static(meta)
+        if aux is not None and _has_arrays(aux):
+            _arrays_in_static_data(x)
         if k not in _MUTABLE:
             open_immutable.add(r)
         stack.append([j, k, meta, children, 0, []])

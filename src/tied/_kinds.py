@@ -139,6 +139,11 @@ class Kind:
         """Whether a child of a live node with this meta can be replaced in place."""
         return self.writable
 
+    def user_static(self, meta: Any) -> Any:
+        """The part of ``meta`` that is the user's own static data (a pytree's aux data),
+        which must hold no arrays; None when the kind keeps none."""
+        return None
+
     def type_of(self, meta: Any) -> type:
         return meta[0]
 
@@ -464,6 +469,9 @@ class _Pytree(Kind):
         if len(children) != n:
             raise _Mismatch(f"a {meta[0].__name__} with {n} children")
         return children
+
+    def user_static(self, meta):
+        return meta[1]
 
     def can_write(self, meta):
         return is_nnx_variable(meta[0])  # a Flax NNX Variable's value can be set in place
