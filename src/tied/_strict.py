@@ -36,6 +36,10 @@ def _strict(v: Any) -> Any:
         return (t, v.tobytes())
     if t is dict:
         return (t, tuple((_strict(k), _strict(x)) for k, x in v.items()))
+    if isinstance(v, tuple) and t.__eq__ is tuple.__eq__:  # a namedtuple: compared as a tuple
+        return (t, tuple(map(_strict, v)))
+    if t is frozenset:
+        return (t, frozenset(map(_strict, v)))
     if t in _EXACT or isinstance(v, _EXACT_BASES):
         return (t, v)
     fields = _compared_fields(t)
