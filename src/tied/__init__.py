@@ -79,3 +79,7 @@ __all__ = [
     "value_and_grad",
     "view",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)  # dir(tied) lists the public names only

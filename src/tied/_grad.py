@@ -14,6 +14,7 @@ import numpy as np
 
 from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
 from ._live import lock, slots, write
+from ._under import warn_none_selected
 from ._writeback import first_difference
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
@@ -219,6 +220,11 @@ def value_and_grad(
         # A single argument is flattened alone, so that error paths are the model's own.
         leaves, gdef = flatten(args[nums[0]] if single else tuple(args[i] for i in nums))
         mask = trainable_mask(gdef, leaves, trainable)
+        if trainable is not None and not any(mask):
+            state = gdef.state_leaves()
+            paths = gdef.leaf_paths()
+            params = [paths[q][0] for q, x in enumerate(leaves) if is_param(x) and not state[q]]
+            warn_none_selected(trainable, params, who="tied.grad", stacklevel=3)
         if per_location:
             structure, place_leaf = expand(gdef)
             inputs = [leaves[q] for q in place_leaf]
