@@ -387,20 +387,24 @@ def test_graphdef_statics_compare_with_their_type():
     assert tied.flatten({"a": 1})[1] != tied.flatten({"b": 1})[1]
 
 
-def test_unhashable_static_names_its_path_when_hashed():
+def test_a_static_with_its_own_eq_is_compared_by_identity_even_when_unhashable():
+    """Issue 17, point 2: a user's __eq__ cannot be trusted to mean "rebuilds identically",
+    so such a static is compared (and hashed) by identity."""
+
     class Config:
         __hash__ = None
 
         def __eq__(self, other):
             return isinstance(other, Config)
 
-    model = {"w": jnp.ones(2), "cfg": [Box(Config(), 1)]}
+    cfg = Config()
+    model = {"w": jnp.ones(2), "cfg": [Box(cfg, 1)]}
     _, gdef = tied.flatten(model)
-    assert gdef == tied.flatten(model)[1]  # equality still works
-    with pytest.raises(
-        tied.GraphError, match=r"^\['cfg'\]\[0\]\.a: static field of type Config is not hashable"
-    ):
-        hash(gdef)
+    assert gdef == tied.flatten(model)[1] and hash(gdef) == hash(tied.flatten(model)[1])
+    other = tied.flatten({"w": jnp.ones(2), "cfg": [Box(Config(), 1)]})[1]
+    assert gdef != other  # equal by its __eq__, but another object
+    leaves, gdef = tied.flatten(model)
+    assert tied.unflatten(gdef, leaves)["cfg"][0].a is cfg
 
 
 # ---------------------------------------------------------------- paths

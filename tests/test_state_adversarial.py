@@ -435,9 +435,6 @@ def test_per_location_with_unshared_state_writes_it_once():
     assert float(m["s"].value) == 2.0
 
 
-@pytest.mark.xfail(
-    strict=True, reason="per_location=True expands a shared State into copies and refuses the write"
-)
 def test_per_location_never_expands_a_shared_state():
     s = tied.State(jnp.zeros(()))
     m = {"w": jnp.ones(2), "a": s, "b": s}

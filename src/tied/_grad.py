@@ -226,7 +226,7 @@ def value_and_grad(
             params = [paths[q][0] for q, x in enumerate(leaves) if is_param(x) and not state[q]]
             warn_none_selected(trainable, params, who="tied.grad", stacklevel=3)
         if per_location:
-            structure, place_leaf = expand(gdef)
+            structure, place_leaf = expand(gdef, keep_state=True)  # state: one object
             inputs = [leaves[q] for q in place_leaf]
             diff = [k for k, q in enumerate(place_leaf) if mask[q]]
         else:
@@ -303,7 +303,7 @@ def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leave
 def _write_state(args, nums, single, leaves, gdef, structure, written, values, per_location) -> None:
     """Write what the loss put into its model copy into the caller's own objects."""
     if per_location:
-        place_leaf = expand(gdef)[1]
+        place_leaf = expand(gdef, keep_state=True)[1]
         by_leaf: dict[int, Any] = {}
         for i, v in zip(written, values):
             q = place_leaf[i]

@@ -424,46 +424,65 @@ def place_paths(graphdef: GraphDef) -> _Places:
     return result
 
 
-def expand(graphdef: GraphDef) -> tuple[GraphDef, tuple[int, ...]]:
+def expand(graphdef: GraphDef, *, keep_state: bool = False) -> tuple[GraphDef, tuple[int, ...]]:
     """The graph unrolled into a tree: one node or leaf per *place*.
 
     Returns the tree's GraphDef and, for each of its leaves (one per place of an
     array), the index of the unique array that stands there. Used for
-    per-place gradients and for reading a tree shaped like the model.
+    per-place gradients and for reading a tree shaped like the model. With
+    ``keep_state`` a state cell stays one node at all its places (state is one
+    object, never a per-place copy).
     """
-    if graphdef._expanded is not None:
-        return graphdef._expanded
+    cache_key = "expanded, state kept" if keep_state else None
+    cached = graphdef._plans.get(cache_key) if keep_state else graphdef._expanded
+    if cached is not None:
+        return cached
     records = graphdef.records
+    cells = graphdef.state_nodes() if keep_state else ()
     new_records: list = []
     new_refs: list[list] = []
     place_leaf: list[int] = []
+    emitted: dict[int, int] = {}  # a kept state cell -> its one new reference
+    skip_below: int | None = None  # inside a kept cell met again: its subtree is not repeated
     # The pre-order of `_traverse` with expand_shared: a node's children follow it, so a
     # stack of the open new nodes (by depth) tells each place's parent.
     open_nodes: list[int] = []
     root_ref = None
     for _, depth, r, _, _, _ in _traverse(graphdef, expand_shared=True):
+        if skip_below is not None:
+            if depth > skip_below:
+                continue
+            skip_below = None
         del open_nodes[depth:]
         q, m = divmod(r, 3)
+        again = m == 1 and q in emitted
         if m == 0:
             ref = 3 * len(place_leaf)
             place_leaf.append(q)
         elif m == 2:
             ref = r
+        elif again:
+            ref, skip_below = emitted[q], depth
         else:
             ref = 3 * len(new_records) + 1
             kind, meta, _ = records[q]
             new_records.append((kind, meta))
             new_refs.append([])
+            if keep_state and cells[q]:
+                emitted[q] = ref
         if depth == 0:
             root_ref = ref
         else:
             new_refs[open_nodes[depth - 1]].append(ref)
-        if m == 1:
+        if m == 1 and not again:
             open_nodes.append(ref // 3)
     records_out = tuple((k, meta, tuple(refs)) for (k, meta), refs in zip(new_records, new_refs))
-    tree_def = GraphDef(records_out, graphdef.statics, root_ref, len(place_leaf))
-    graphdef._expanded = (tree_def, tuple(place_leaf))
-    return graphdef._expanded
+    out = (GraphDef(records_out, graphdef.statics, root_ref, len(place_leaf)), tuple(place_leaf))
+    if keep_state:
+        graphdef._plans[cache_key] = out
+    else:
+        graphdef._expanded = out
+    return out
 
 
 # ---------------------------------------------------------------- rebuilding
