@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test test-min bench docs clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q -e ".[test,demo,docs]"
 	touch $@
 
 $(VENV)/.bench: $(VENV)/.base
@@ -31,7 +31,44 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.base
 	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff format --check src tests examples benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
+
+# The lowest declared versions, in a venv of its own (.venv-min, made anew when pyproject.toml changes):
+# every direct dependency (pyproject's dependencies and the test extra) pinned to its `>=` bound (an `==`
+# pin kept), the installed versions printed, then the core subset: every test file but those of the
+# docs, README, examples, demo, memory figures and multiple processes (TEST_MIN_SKIP).
+VENV_MIN := .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+TEST_MIN_SKIP := tests/test_demo.py tests/test_examples.py tests/test_readme.py tests/test_doctests.py \
+	tests/test_memory.py tests/test_multiprocess.py tests/multidevice tests/multiprocess
+
+define MIN_CONSTRAINTS
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for req in project["dependencies"] + project["optional-dependencies"]["test"]:
+    m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^]]*\])?\s*(>=|==)\s*([^,;\s]+)", req.strip())
+    if not m:
+        raise SystemExit(f"make test-min: {req!r} has no lower bound to test")
+    print(f"{m[1]}=={m[4]}")
+endef
+export MIN_CONSTRAINTS
+
+$(VENV_MIN)/.base: pyproject.toml
+	rm -rf $(VENV_MIN)
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(PY_MIN) -m pip install -q --upgrade pip
+	$(PY_MIN) -c "$$MIN_CONSTRAINTS" > $(VENV_MIN)/constraints.txt
+	$(PY_MIN) -m pip install -q -c $(VENV_MIN)/constraints.txt -e ".[test]"
+	touch $@
+
+test-min: $(VENV_MIN)/.base
+	@echo "make test-min: the lowest declared versions, on $$($(PY_MIN) -c 'import sys; print(sys.version.split()[0])'):"
+	@$(PY_MIN) -c 'import sys, importlib.metadata as md; \
+		names = [l.split("==")[0] for l in open(sys.argv[1]) if "==" in l] + ["jaxlib"]; \
+		print("  " + " ".join(f"{n}=={md.version(n)}" for n in names))' $(VENV_MIN)/constraints.txt
+	$(PY_MIN) -m pytest $(addprefix --ignore=,$(TEST_MIN_SKIP))
 
 bench: $(VENV)/.bench
 	$(PY) -m benchmarks.run
@@ -41,4 +78,4 @@ docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_MIN) runs site .pytest_cache .hypothesis

@@ -632,6 +632,7 @@ def test_demo_decode_with_caches_equals_the_full_forward_and_generation_compiles
 
 
 def test_demo_without_tqdm_names_the_demo_extra(monkeypatch):
+    pytest.importorskip("matplotlib")  # the demo extra's other half (not in make test-min's venv)
     from tied import demo
 
     monkeypatch.setitem(sys.modules, "tqdm", None)

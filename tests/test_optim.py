@@ -10,7 +10,6 @@ arrays, keyed by the path of each one's first place (what optax sees through
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import equinox as eqx
@@ -813,8 +812,7 @@ def test_a_list_mask_in_the_old_style_says_what_optax_sees():
     with pytest.raises(ValueError) as e:
         tied.optim.setup(optax.masked(optax.adam(0.1), [True] * 5), m)
     notes = " ".join(getattr(e.value, "__notes__", []))
-    if sys.version_info >= (3, 11):  # exception notes
-        assert "optax sees the parameters as a dict from path to array ({'.layers[0].weight'" in notes
+    assert "optax sees the parameters as a dict from path to array ({'.layers[0].weight'" in notes
 
 
 def test_inject_hyperparams_rate_is_read_and_set_on_the_inner_state():
