@@ -121,8 +121,10 @@ def main(steps: int = 20, seed: int = 0, verbose: bool = True) -> dict:
     # The reference: the same steps on one device, no shardings.
     ref_model, _, ref_loss, ref_times, _ = train(tied.jit(train_step), model, state, batches)
     first_loss = float(tied.jit(loss_fn)(model, batches[0]))
-    say(f"one device:      loss {first_loss:.3f} -> {ref_loss:.3f}, "
-        f"{1e3 * np.median(ref_times[1:] or ref_times):.1f} ms/step")
+    say(
+        f"one device:      loss {first_loss:.3f} -> {ref_loss:.3f}, "
+        f"{1e3 * np.median(ref_times[1:] or ref_times):.1f} ms/step"
+    )
 
     # 1. Data parallel over every device.
     dp = tied.data_parallel(Mesh(np.array(devices), ("data",)))
@@ -137,10 +139,14 @@ def main(steps: int = 20, seed: int = 0, verbose: bool = True) -> dict:
         dp_step, *placed, batches, put_batch=lambda b: tied.device_put(b, dp.batch)
     )
     dp_diff = max_difference(dp_model, ref_model)
-    say(f"                 loss -> {dp_loss:.3f}, first step (compiling) {dp_times[0]:.2f} s, then "
-        f"{1e3 * np.median(dp_times[1:] or dp_times):.1f} ms/step")
-    say(f"                 ties held after every step: {dp_ties}; "
-        f"max |params - one-device params| = {dp_diff:.1e}")
+    say(
+        f"                 loss -> {dp_loss:.3f}, first step (compiling) {dp_times[0]:.2f} s, then "
+        f"{1e3 * np.median(dp_times[1:] or dp_times):.1f} ms/step"
+    )
+    say(
+        f"                 ties held after every step: {dp_ties}; "
+        f"max |params - one-device params| = {dp_diff:.1e}"
+    )
 
     # 2. The tied embedding split by vocabulary rows over every device (that divides VOCAB).
     mesh = Mesh(np.array(devices[: math.gcd(n, VOCAB)]), ("model",))
@@ -161,12 +167,18 @@ def main(steps: int = 20, seed: int = 0, verbose: bool = True) -> dict:
     w = vs_model.embed.weight
     shard_bytes = sum(s.data.nbytes for s in w.addressable_shards)
     vs_diff = max_difference(vs_model, ref_model)
-    say(f"vocab-sharded:   {mesh}, embedding {w.sharding.spec}, per device "
-        f"{w.addressable_shards[0].data.shape} of {w.shape}")
-    say(f"                 embedding bytes over all devices {shard_bytes:,} = one copy "
-        f"{w.nbytes:,}: {shard_bytes == w.nbytes}; head is embed: {vs_model.head is vs_model.embed}")
-    say(f"                 loss -> {vs_loss:.3f}, {1e3 * np.median(vs_times[1:] or vs_times):.1f} ms/step; "
-        f"ties held: {vs_ties}; max |params - one-device params| = {vs_diff:.1e}")
+    say(
+        f"vocab-sharded:   {mesh}, embedding {w.sharding.spec}, per device "
+        f"{w.addressable_shards[0].data.shape} of {w.shape}"
+    )
+    say(
+        f"                 embedding bytes over all devices {shard_bytes:,} = one copy "
+        f"{w.nbytes:,}: {shard_bytes == w.nbytes}; head is embed: {vs_model.head is vs_model.embed}"
+    )
+    say(
+        f"                 loss -> {vs_loss:.3f}, {1e3 * np.median(vs_times[1:] or vs_times):.1f} ms/step; "
+        f"ties held: {vs_ties}; max |params - one-device params| = {vs_diff:.1e}"
+    )
     ok = dp_ties and vs_ties and max(dp_diff, vs_diff) < 1e-4 and shard_bytes == w.nbytes
     say("same parameters as one device (within 1e-4), ties held, embedding stored once:", ok)
     return {

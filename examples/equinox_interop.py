@@ -88,23 +88,26 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
     y = jnp.sin(x @ jnp.arange(1.0, D + 1) / D)
     model = make_model(km)
     say("ties found by tied:", tied.ties(model)[0])
-    say(f"parameters: {tied.param_count(model)} unique, "
-        f"{tied.param_count(model, per_place=True)} counted per place")
+    say(
+        f"parameters: {tied.param_count(model)} unique, "
+        f"{tied.param_count(model, per_place=True)} counted per place"
+    )
 
     g = tied.grad(loss_fn)(model, x, y)
     one_node = g.hidden is g.again
     # Equinox sees two fields, so its gradient has one partial per field; tied's is their sum
     parts = eqx.filter_grad(loss_fn)(model, x, y)
     total_gap = float(jnp.abs(parts.hidden.weight + parts.again.weight - g.hidden.weight).max())
-    say(f"tied.grad: g.hidden is g.again (one total for the reused Linear): {one_node}; it is "
-        f"the sum of Equinox's two per-field partials (max difference {total_gap:.1e})")
+    say(
+        f"tied.grad: g.hidden is g.again (one total for the reused Linear): {one_node}; it is "
+        f"the sum of Equinox's two per-field partials (max difference {total_gap:.1e})"
+    )
 
     before = float(loss_fn(model, x, y))
     trained, state = train_tied(model, x, y, steps)
     after = float(loss_fn(trained, x, y))
     kept = trained.hidden is trained.again
-    say(f"tied + optax.adam: loss {before:.4f} -> {after:.4f}; "
-        f"trained.hidden is trained.again: {kept}")
+    say(f"tied + optax.adam: loss {before:.4f} -> {after:.4f}; trained.hidden is trained.again: {kept}")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "eqx.safetensors"
@@ -117,9 +120,11 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
     gap = float(jnp.abs(plain.hidden.weight - plain.again.weight).max())
     plain_states = len(jax.tree_util.tree_leaves(plain_state[0].mu))
     tied_states = len(tied.flatten(model)[0])
-    say(f"plain Equinox + optax.adam: loss {before:.4f} -> {float(loss_fn(plain, x, y)):.4f}; "
+    say(
+        f"plain Equinox + optax.adam: loss {before:.4f} -> {float(loss_fn(plain, x, y)):.4f}; "
         f"plain.hidden is plain.again: {plain.hidden is plain.again}; the two copies' weights "
-        f"now differ by up to {gap:.3f}; Adam moment arrays: {plain_states} (tied: {tied_states})")
+        f"now differ by up to {gap:.3f}; Adam moment arrays: {plain_states} (tied: {tied_states})"
+    )
     return {
         "loss_before": before,
         "loss_after": after,

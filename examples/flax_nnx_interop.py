@@ -99,35 +99,45 @@ def main(steps: int = 100, seed: int = 0, verbose: bool = True) -> dict:
     ids, targets = data(seed)
     model = TiedLM(nnx.Rngs(seed))
     say("ties found by tied:", tied.ties(model))
-    say(f"parameters: {tied.param_count(model)} unique, "
-        f"{tied.param_count(model, per_place=True)} counted per place")
+    say(
+        f"parameters: {tied.param_count(model)} unique, "
+        f"{tied.param_count(model, per_place=True)} counted per place"
+    )
 
     g = tied.grad(loss_fn)(model, ids, targets)
     one_grad = g.head is g.embed.embedding and g.again is g.block
     # plain jax.grad on the pytree gives one partial per place; tied's total is their sum
     parts = jax.grad(loss_fn)(model, ids, targets)
     total_gap = float(jnp.abs(parts.head[...] + parts.embed.embedding[...] - g.head[...]).max())
-    say(f"tied.grad: one gradient object at both places of the head: {one_grad}; "
-        f"it equals the sum of plain jax.grad's two partials (max difference {total_gap:.1e})")
+    say(
+        f"tied.grad: one gradient object at both places of the head: {one_grad}; "
+        f"it equals the sum of plain jax.grad's two partials (max difference {total_gap:.1e})"
+    )
 
     before = float(loss_fn(model, ids, targets))
     trained, state = train_tied(model, ids, targets, steps, lr)
     after = float(loss_fn(trained, ids, targets))
     kept = trained.head is trained.embed.embedding and trained.again is trained.block
-    say(f"tied + optax.adam: loss {before:.3f} -> {after:.3f}; "
-        f"trained.head is trained.embed.embedding: {trained.head is trained.embed.embedding}")
+    say(
+        f"tied + optax.adam: loss {before:.3f} -> {after:.3f}; "
+        f"trained.head is trained.embed.embedding: {trained.head is trained.embed.embedding}"
+    )
 
     theirs = train_nnx(TiedLM(nnx.Rngs(seed)), ids, targets, steps, lr)
     agree = float(jnp.abs(theirs.head[...] - trained.head[...]).max())
-    say("nnx.Optimizer (which deduplicates Variables too): "
+    say(
+        "nnx.Optimizer (which deduplicates Variables too): "
         f"loss {float(loss_fn(theirs, ids, targets)):.3f}; its embedding and tied's differ by "
-        f"up to {agree:.1e}")
+        f"up to {agree:.1e}"
+    )
 
     plain = train_plain_jax(TiedLM(nnx.Rngs(seed)), ids, targets, steps, lr)
     gap = float(jnp.abs(plain.head[...] - plain.embed.embedding[...]).max())
-    say(f"plain jax.grad + optax on the pytree: loss {float(loss_fn(plain, ids, targets)):.3f}; "
+    say(
+        f"plain jax.grad + optax on the pytree: loss {float(loss_fn(plain, ids, targets)):.3f}; "
         f"plain.head is plain.embed.embedding: {plain.head is plain.embed.embedding}; the two "
-        f"copies now differ by up to {gap:.3f}")
+        f"copies now differ by up to {gap:.3f}"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "nnx.safetensors"

@@ -40,8 +40,11 @@ import time
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--local", type=int, metavar="N", help="start N processes here, on fake CPU devices")
-    p.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                   help="host:port of process 0's coordination service")
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="host:port of process 0's coordination service",
+    )
     p.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
     p.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
     p.add_argument("--auto", action="store_true", help="let JAX find the cluster (Cloud TPU, SLURM, MPI)")
@@ -81,12 +84,27 @@ def launch_local(n: int, args: argparse.Namespace) -> int:
 def _run(procs: list, n: int, port: int, ckpt: str, args: argparse.Namespace) -> int:
     env = dict(os.environ, JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
     for i in range(n):
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
-             "--process-id", str(i), "--cpu-devices", str(args.cpu_devices or 4), "--ckpt", ckpt,
-             "--steps", str(args.steps)],
-            env=env,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    str(n),
+                    "--process-id",
+                    str(i),
+                    "--cpu-devices",
+                    str(args.cpu_devices or 4),
+                    "--ckpt",
+                    ckpt,
+                    "--steps",
+                    str(args.steps),
+                ],
+                env=env,
+            )
+        )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
@@ -181,27 +199,38 @@ def main(args: argparse.Namespace) -> dict:
     # The shapes, and from them the shardings, without building anything.
     abstract = jax.eval_shape(lambda k: tied.Graph(init(k)), jax.random.key(0)).value
     leaves, gdef = tied.flatten(abstract)  # each unique array once, with the paths of its places
-    like = tied.unflatten(gdef, [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rule(paths[0], x))
-        for x, paths in zip(leaves, gdef.leaf_paths())
-    ])
+    like = tied.unflatten(
+        gdef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rule(paths[0], x))
+            for x, paths in zip(leaves, gdef.leaf_paths())
+        ],
+    )
     specs = tied.sharding_tree(like, rule)
     # Built in its shards: each device creates only its part (the same key on every process).
     model, state = tied.jit(init, out_shardings=specs)(jax.random.key(0))
     step = tied.jit(train_step, in_shardings=(*specs, data), out_shardings=(*specs, rep))
     w = model.embed.weight
-    say(f"{jax.process_count()} processes, {n_dev} devices ({jax.local_device_count()} here, "
+    say(
+        f"{jax.process_count()} processes, {n_dev} devices ({jax.local_device_count()} here, "
         f"{jax.devices()[0].platform}); embedding {w.shape} split by rows: this process holds "
-        f"{sum(s.data.shape[0] for s in w.addressable_shards)} of {w.shape[0]} rows")
+        f"{sum(s.data.shape[0] for s in w.addressable_shards)} of {w.shape[0]} rows"
+    )
 
     rng = np.random.default_rng(0)  # the same global batches on every process; each loads its rows
-    batches = (rng.integers(0, vocab, (args.steps + 1, batch_size, 1))
-               + np.arange(seq + 1)) % vocab  # runs of consecutive tokens: learnable
-    rows_here = sorted({r for idx in data.addressable_devices_indices_map((batch_size, seq + 1)).values()
-                        for r in range(batch_size)[idx[0]]})
+    batches = (
+        rng.integers(0, vocab, (args.steps + 1, batch_size, 1)) + np.arange(seq + 1)
+    ) % vocab  # runs of consecutive tokens: learnable
+    rows_here = sorted(
+        {
+            r
+            for idx in data.addressable_devices_indices_map((batch_size, seq + 1)).values()
+            for r in range(batch_size)[idx[0]]
+        }
+    )
 
     def global_batch(k):
-        local = batches[k][rows_here[0]: rows_here[-1] + 1].astype(np.int32)
+        local = batches[k][rows_here[0] : rows_here[-1] + 1].astype(np.int32)
         return jax.make_array_from_process_local_data(data, local, (batch_size, seq + 1))
 
     losses = []
@@ -222,11 +251,17 @@ def main(args: argparse.Namespace) -> dict:
     batch = global_batch(args.steps)
     _, _, live_loss = step(model, state, batch)
     _, _, restored_loss = step(restored, restored_state, batch)
-    say(f"checkpoint {ckpt}: step {tied.load_metadata(ckpt)['step']}, restored head is embed: "
+    say(
+        f"checkpoint {ckpt}: step {tied.load_metadata(ckpt)['step']}, restored head is embed: "
         f"{restored.head is restored.embed}, embedding equal: {same}, next loss live "
-        f"{float(live_loss):.6f} restored {float(restored_loss):.6f}")
-    ok = (restored.head is restored.embed and same and float(live_loss) == float(restored_loss)
-          and losses[-1] < losses[0])
+        f"{float(live_loss):.6f} restored {float(restored_loss):.6f}"
+    )
+    ok = (
+        restored.head is restored.embed
+        and same
+        and float(live_loss) == float(restored_loss)
+        and losses[-1] < losses[0]
+    )
     say("ok" if ok else "FAILED")
     if args.ckpt is None:
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -77,8 +77,10 @@ def main(steps: int = 120, seed: int = 0, verbose: bool = True) -> dict:
     say("what optax sees (one key per unique trainable array):", keys)
     say("decay mask:", decay_mask(dict.fromkeys(keys)))
     say("labels:    ", labels(dict.fromkeys(keys)))
-    say("Adam moments of the embedding are stored under:",
-        [k for k in state.inner_state[1].inner_states["embed"].inner_state[0].mu if k.startswith(".embed")])
+    say(
+        "Adam moments of the embedding are stored under:",
+        [k for k in state.inner_state[1].inner_states["embed"].inner_state[0].mu if k.startswith(".embed")],
+    )
 
     # Freeze the tied embedding through the head's place: one parameter, frozen everywhere.
     state = tied.optim.freeze(state, ".head.weight")

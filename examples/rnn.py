@@ -84,21 +84,28 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
     kc, kr, kd = jax.random.split(jax.random.key(seed), 3)
     cell, readout = Cell(1, HIDDEN, key=kc), Dense(HIDDEN, 1, key=kr)
     unrolled, scanned = Unrolled(cell, readout, T), Scanned(cell, readout)
-    say(f"the unrolled model holds one cell at {len(tied.ties(unrolled)[0])} places; "
+    say(
+        f"the unrolled model holds one cell at {len(tied.ties(unrolled)[0])} places; "
         f"unique parameters: {tied.param_count(unrolled)} (per place: "
-        f"{tied.param_count(unrolled, per_place=True)})")
+        f"{tied.param_count(unrolled, per_place=True)})"
+    )
 
     batch = jax.jit(sequences)
     xs, ys = batch(jax.random.key(seed + 1000))
-    same_output = bool(jnp.allclose(tied.jit(lambda m, x: m(x))(unrolled, xs),
-                                    tied.jit(lambda m, x: m(x))(scanned, xs), atol=1e-5))
+    same_output = bool(
+        jnp.allclose(
+            tied.jit(lambda m, x: m(x))(unrolled, xs), tied.jit(lambda m, x: m(x))(scanned, xs), atol=1e-5
+        )
+    )
     gu = tied.jit(tied.grad(loss_fn))(unrolled, xs, ys)
     gs = tied.jit(tied.grad(loss_fn))(scanned, xs, ys)
     one_node = all(c is gu.cells[0] for c in gu.cells)
     same_grad = bool(np.allclose(gu.cells[0].wh.weight, gs.cell.wh.weight, rtol=1e-4, atol=1e-6))
     say("loop and scan give the same outputs:", same_output)
-    say(f"loop: one gradient node at all {T} places: {one_node}; equal to the scan's "
-        f"gradient of the cell: {same_grad}")
+    say(
+        f"loop: one gradient node at all {T} places: {one_node}; equal to the scan's "
+        f"gradient of the cell: {same_grad}"
+    )
 
     state = tied.optim.setup(optax.adam(1e-2), scanned)
 

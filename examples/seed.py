@@ -34,8 +34,7 @@ def _arr(x) -> str:
 def _structural(g) -> str:
     """A structural gradient printed the way Flux prints one."""
     layers = ", ".join(
-        f"(weight = {_arr(d.weight)}, bias = {_arr(d.bias)}, activation = {d.activation})"
-        for d in g.layers
+        f"(weight = {_arr(d.weight)}, bias = {_arr(d.bias)}, activation = {d.activation})" for d in g.layers
     )
     return f"(layers = ({layers}),)"
 

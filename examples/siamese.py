@@ -55,8 +55,14 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
     centers = 1.5 * jax.random.normal(kc, (CLUSTERS, D))
     enc = Chain(Dense(D, 16, key=k1, activation=jnp.tanh), Dense(16, 4, key=k2))
     model = Siamese(enc, enc)
-    say("ties:", tied.ties(model)[0], "| unique parameters:", tied.param_count(model),
-        "| counted per place:", tied.param_count(model, per_place=True))
+    say(
+        "ties:",
+        tied.ties(model)[0],
+        "| unique parameters:",
+        tied.param_count(model),
+        "| counted per place:",
+        tied.param_count(model, per_place=True),
+    )
 
     batch = jax.jit(lambda k: pairs(k, centers))
     test = batch(jax.random.key(seed + 1000))
@@ -78,8 +84,10 @@ def main(steps: int = 200, seed: int = 0, verbose: bool = True) -> dict:
         model, state, _ = step(model, state, *batch(jax.random.fold_in(kd, i)))
     after, acc_after = float(evaluate(model, *test)), accuracy(model, *test)
     shared = model.left is model.right
-    say(f"contrastive loss: {before:.3f} -> {after:.3f}; same/different accuracy on held-out "
-        f"pairs: {acc_before:.0%} -> {acc_after:.0%}")
+    say(
+        f"contrastive loss: {before:.3f} -> {after:.3f}; same/different accuracy on held-out "
+        f"pairs: {acc_before:.0%} -> {acc_after:.0%}"
+    )
     say("after training, model.left is model.right:", shared)
     return {
         "loss_before": before,

@@ -180,8 +180,7 @@ def assert_trees_close(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-5
         assert type(x) is type(y) or (is_array(x) and is_array(y)), (path, type(x), type(y))
         if is_array(x):
             assert x.shape == y.shape, path
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol,
-                                       err_msg=path)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol, err_msg=path)
         elif children(x) is None:
             assert x == y, (path, x, y)
 
@@ -273,8 +272,9 @@ def models(draw, max_depth: int = 4):
             out = tuple(kids) if kind == "tuple" else out
         else:
             a, b = child(), child()
-            cls = {"namedtuple": NT, "dataclass": DC, "frozen": FrozenDC,
-                   "registered": Box, "eqx": EqxPair}[kind]
+            cls = {"namedtuple": NT, "dataclass": DC, "frozen": FrozenDC, "registered": Box, "eqx": EqxPair}[
+                kind
+            ]
             out = cls(a, b)
         nodes.append(out)
         return out

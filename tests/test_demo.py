@@ -19,13 +19,20 @@ def test_demo_twenty_steps(tmp_path, capsys):
     out = capsys.readouterr().out
 
     # parameter counts against a count by hand of the configuration
-    block = 2 * 2 * DIM + (3 * DIM * DIM + 3 * DIM) + (DIM * DIM + DIM) + (
-        HIDDEN * DIM + HIDDEN) + (DIM * HIDDEN + DIM)
+    block = (
+        2 * 2 * DIM
+        + (3 * DIM * DIM + 3 * DIM)
+        + (DIM * DIM + DIM)
+        + (HIDDEN * DIM + HIDDEN)
+        + (DIM * HIDDEN + DIM)
+    )
     embed, pos, ln = VOCAB * DIM, SEQ * DIM, 2 * DIM
     assert r["unique_params"] == embed + pos + 2 * block + ln
     assert r["per_place_params"] == r["unique_params"] + 2 * block + embed  # head, 2 repeats
     assert r["tie_groups"] == [
-        (".embed.weight", ".head.weight"), (".blocks[0]", ".blocks[2]"), (".blocks[1]", ".blocks[3]")
+        (".embed.weight", ".head.weight"),
+        (".blocks[0]", ".blocks[2]"),
+        (".blocks[1]", ".blocks[3]"),
     ]
 
     # training did something, and every tie held

@@ -47,8 +47,9 @@ def check_gradient(model: Any, g: Any, expected: dict[str, Any]) -> None:
     for (path, x), (_, y) in zip(mp, gp):
         if is_param(x):
             assert is_array(y), path
-            np.testing.assert_allclose(np.asarray(y), np.asarray(expected[path]), rtol=1e-5,
-                                       atol=1e-6, err_msg=path)
+            np.testing.assert_allclose(
+                np.asarray(y), np.asarray(expected[path]), rtol=1e-5, atol=1e-6, err_msg=path
+            )
         elif is_node(x):
             assert type(y) is type(x), path
         else:
@@ -98,8 +99,12 @@ def test_seed_example():
     assert g.layers[0] is not g.layers[1] and type(g) is Chain and type(g.layers[0]) is Dense
     # per_location: distinct arrays, equal to the untied reference place by place.
     assert p.layers[0].weight is not p.layers[1].weight
-    for got, want in ((p.layers[0].weight, gw0), (p.layers[1].weight, gw1),
-                      (p.layers[0].bias, gb0), (p.layers[1].bias, gb1)):
+    for got, want in (
+        (p.layers[0].weight, gw0),
+        (p.layers[1].weight, gw1),
+        (p.layers[0].bias, gb0),
+        (p.layers[1].bias, gb1),
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     assert not np.allclose(gw0, gw1)  # the places really do get different partials
 
@@ -223,8 +228,9 @@ def test_integer_arrays_and_static_leaves_get_none():
     assert set(g) == set(model)
     for k in ("ids", "mask", "n", "name", "act", "nothing"):
         assert g[k] is None, k
-    ref = jax.grad(lambda w, v: jnp.sum(w[jnp.array([0, 1])] ** 2 * 3) + jnp.sum(v**3),
-                   argnums=(0, 1))(jnp.array([1.0, 2.0]), jnp.array([0.5]))
+    ref = jax.grad(lambda w, v: jnp.sum(w[jnp.array([0, 1])] ** 2 * 3) + jnp.sum(v**3), argnums=(0, 1))(
+        jnp.array([1.0, 2.0]), jnp.array([0.5])
+    )
     np.testing.assert_allclose(g["w"], ref[0])
     np.testing.assert_allclose(g["np"], ref[1])
 
@@ -262,9 +268,9 @@ def test_argnums_tuple_shares_across_arguments():
     ge, gh = tied.grad(loss, argnums=(0, 1))(enc, head, x)
     assert ge.weight is gh["w"] and gh["scale"] is None
     wa, wb = jnp.array(w), jnp.array(w)
-    ra, rb, rbias = jax.grad(
-        lambda a, b, c: jnp.sum(jnp.sin((x @ a.T + c) @ b)) * 2.0, argnums=(0, 1, 2)
-    )(wa, wb, jnp.zeros(2))
+    ra, rb, rbias = jax.grad(lambda a, b, c: jnp.sum(jnp.sin((x @ a.T + c) @ b)) * 2.0, argnums=(0, 1, 2))(
+        wa, wb, jnp.zeros(2)
+    )
     np.testing.assert_allclose(ge.weight, ra + rb, rtol=1e-6)
     np.testing.assert_allclose(ge.bias, rbias, rtol=1e-6)
     # The argument not differentiated is passed through untouched.
@@ -293,8 +299,7 @@ def test_has_aux():
 
     g, aux = tied.grad(loss, has_aux=True)(model)
     (value, aux2), g2 = tied.value_and_grad(loss, has_aux=True)(model)
-    ref = jax.grad(lambda a, b: loss([a, {"again": b}])[0], argnums=(0, 1))(jnp.array(w),
-                                                                            jnp.array(w))
+    ref = jax.grad(lambda a, b: loss([a, {"again": b}])[0], argnums=(0, 1))(jnp.array(w), jnp.array(w))
     np.testing.assert_allclose(g[0], ref[0] + ref[1], rtol=1e-6)
     assert g[0] is g[1]["again"]
     assert aux["tag"] == "x" and aux2["tag"] == "x"
@@ -360,8 +365,11 @@ def test_failing_view_function_names_the_view():
     w = jnp.ones((2, 3))
     model = {"w": w, "v": tied.view(w, lambda s: s.reshape(7))}
     for _ in range(2):  # the walk, then a compiled plan
-        with pytest.raises(tied.GraphError, match=r"^\['v'\]: the view function <lambda> failed .*"
-                           r"shape \(2, 3\).*cannot reshape"):
+        with pytest.raises(
+            tied.GraphError,
+            match=r"^\['v'\]: the view function <lambda> failed .*"
+            r"shape \(2, 3\).*cannot reshape",
+        ):
             tied.grad(lambda m: jnp.sum(tied.materialize(m["v"])))(model)
 
 
@@ -375,8 +383,11 @@ class Unregistered:
 
 def test_errors_under_grad_name_the_models_own_path():
     model = {"u": Unregistered(jnp.ones(2)), "w": jnp.ones(2)}
-    with pytest.raises(tied.GraphError, match=r"^\['u'\]: an object of unregistered class "
-                       r".*Unregistered.*tied\.register"):
+    with pytest.raises(
+        tied.GraphError,
+        match=r"^\['u'\]: an object of unregistered class "
+        r".*Unregistered.*tied\.register",
+    ):
         tied.grad(lambda m: jnp.sum(m["w"]))(model)
 
 
@@ -384,8 +395,11 @@ def test_accumulate_checks_its_input():
     model = {"a": [jnp.ones(2), jnp.ones(2)], "b": jnp.ones(1)}
     with pytest.raises(ValueError, match="convention must be"):
         tied.accumulate(model, model, convention="sum")
-    with pytest.raises(tied.GraphError, match=r"^\['a'\]: the gradient does not mirror the model.*"
-                       r"length 2"):
+    with pytest.raises(
+        tied.GraphError,
+        match=r"^\['a'\]: the gradient does not mirror the model.*"
+        r"length 2",
+    ):
         tied.accumulate(model, {"a": [jnp.ones(2)], "b": None})
     # None stands for a whole subtree.
     acc = tied.accumulate(model, {"a": None, "b": jnp.full(1, 4.0)})
@@ -427,9 +441,12 @@ def test_plain_jax_grad_aliased_cotangent_is_summed_or_refused_never_counted_onc
     assert g["a"] is g["b"]  # the case itself
     untied = jax.grad(loss)({"a": jnp.array(w), "b": jnp.array(w)})  # the reference
     total = untied["a"] + untied["b"]
-    with pytest.raises(ValueError, match=r"^\['a'\]: the gradient holds one array object at 2 places of "
-                       r"this tied parameter.*convention='partials' if each place got its own use's "
-                       r"gradient.*convention='total' if the one object already is the whole gradient"):
+    with pytest.raises(
+        ValueError,
+        match=r"^\['a'\]: the gradient holds one array object at 2 places of "
+        r"this tied parameter.*convention='partials' if each place got its own use's "
+        r"gradient.*convention='total' if the one object already is the whole gradient",
+    ):
         tied.accumulate(m, g)
     acc = tied.accumulate(m, g, convention="partials")
     assert acc["a"] is acc["b"]

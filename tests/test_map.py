@@ -153,10 +153,12 @@ def pytrees():
     scalar = st.sampled_from([None, 3, "s"])
     return st.recursive(
         leaf | scalar,
-        lambda kids: st.lists(kids, min_size=1, max_size=3)
-        | st.lists(kids, min_size=1, max_size=3).map(tuple)
-        | st.dictionaries(st.sampled_from("abc"), kids, min_size=1)
-        | st.tuples(kids, kids).map(lambda ab: EqxPairLike(*ab)),
+        lambda kids: (
+            st.lists(kids, min_size=1, max_size=3)
+            | st.lists(kids, min_size=1, max_size=3).map(tuple)
+            | st.dictionaries(st.sampled_from("abc"), kids, min_size=1)
+            | st.tuples(kids, kids).map(lambda ab: EqxPairLike(*ab))
+        ),
         max_leaves=8,
     )
 
@@ -300,8 +302,11 @@ def test_is_leaf_passes_each_unique_layer_once_like_module_apply():
 
 def test_is_leaf_refuses_to_cut_a_tie_through_the_container():
     m = tied_model()  # d2 (at .layers[1]) shares d1's weight
-    with pytest.raises(ValueError, match=r"container at \.layers\[0\].*\.layers\[0\]\.weight is also at "
-                                         r"\.layers\[1\]\.weight.*tie would be cut"):
+    with pytest.raises(
+        ValueError,
+        match=r"container at \.layers\[0\].*\.layers\[0\]\.weight is also at "
+        r"\.layers\[1\]\.weight.*tie would be cut",
+    ):
         tmap(lambda d: d, m, is_leaf=lambda x: isinstance(x, Dense) and x.activation is not None)
 
 
@@ -309,8 +314,12 @@ def test_is_leaf_with_several_trees_and_on_the_root():
     m = tied_model()
     m.layers[1] = Dense(jnp.full((3, 3), 2.0), jnp.zeros(3))
     other = tmap(lambda v: v + 1, m)
-    out = tmap(lambda a, b: Dense(a.weight - b.weight, a.bias, None), m, other,
-               is_leaf=lambda x: isinstance(x, Dense))
+    out = tmap(
+        lambda a, b: Dense(a.weight - b.weight, a.bias, None),
+        m,
+        other,
+        is_leaf=lambda x: isinstance(x, Dense),
+    )
     assert out.layers[0] is out.layers[2]
     np.testing.assert_allclose(out.layers[3].weight, -np.ones((2, 3)))
     assert tmap(lambda c: "whole", m, is_leaf=lambda x: isinstance(x, Chain)) == "whole"
@@ -322,8 +331,11 @@ def test_is_leaf_with_several_trees_and_on_the_root():
 def test_rest_with_different_ties_is_refused_naming_the_places():
     m = tied_model()
     snap = snapshot(m)
-    with pytest.raises(ValueError, match=r"rest\[0\].*\.layers\[0\]\.weight and \.layers\[1\]\.weight "
-                                         r"hold one array in the first tree but two"):
+    with pytest.raises(
+        ValueError,
+        match=r"rest\[0\].*\.layers\[0\]\.weight and \.layers\[1\]\.weight "
+        r"hold one array in the first tree but two",
+    ):
         tmap(lambda a, b: a, m, untied_copy(m))
     assert_unchanged(m, snap)
 
@@ -335,8 +347,11 @@ def test_rest_with_a_missing_array_or_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"rest\[0\].*\.layers\[3\]\.bias holds an array in the first tree"):
         tmap(lambda a, b: a, m, short)
     wide = tmap(lambda v: jnp.zeros((5,) + v.shape), m)
-    with pytest.raises(ValueError, match=r"rest\[1\].*\.layers\[0\]\.weight has shape \(5, 3, 3\), "
-                                         r"expected \(3, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rest\[1\].*\.layers\[0\]\.weight has shape \(5, 3, 3\), "
+        r"expected \(3, 3\)",
+    ):
         tmap(lambda a, b, c: a, m, m, wide)
     other = tied_model()
     other.layers[0].activation = jax.nn.relu  # a static differs

@@ -61,15 +61,31 @@ class Job:
         port = free_port() if n > 1 else 0
         self.procs = []
         for i in range(n):
-            argv = [sys.executable, str(WORKER), "--out", str(out), "--steps", str(STEPS),
-                    "--devices", str(devices or 8 // n), *extra]
+            argv = [
+                sys.executable,
+                str(WORKER),
+                "--out",
+                str(out),
+                "--steps",
+                str(STEPS),
+                "--devices",
+                str(devices or 8 // n),
+                *extra,
+            ]
             if n > 1:
                 argv += ["--port", str(port), "--process-id", str(i), "--num-processes", str(n)]
             with open(self.logs[i], "wb") as log:
-                self.procs.append(subprocess.Popen(
-                    argv, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=ROOT,
+                        env=_env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         self.started = time.monotonic()
 
     def wait(self, *, expect_killed: int | None = None, grace: float = 5.0) -> list[int]:
@@ -104,8 +120,10 @@ class Job:
             p.wait()
 
     def report(self) -> str:
-        return "\n".join(f"--- worker {i} ---\n" + log.read_text(errors="replace")[-4000:]
-                         for i, log in enumerate(self.logs))
+        return "\n".join(
+            f"--- worker {i} ---\n" + log.read_text(errors="replace")[-4000:]
+            for i, log in enumerate(self.logs)
+        )
 
     def results(self) -> list[dict]:
         return [json.loads((self.out / f"result-{i}.json").read_text()) for i in range(len(self.procs))]
@@ -123,7 +141,11 @@ class Example:
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "examples" / "multihost.py"), "--local", "2", "--steps", "3"],
-                cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=_env(),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         self.started = time.monotonic()
@@ -168,8 +190,13 @@ def runs(tmp_path_factory):
     # Process 1 killed itself with its shards written; process 0, waiting for it, was killed here.
     assert codes[0][1] == -signal.SIGKILL and "killed mid-save" in multi.logs[1].read_text(), multi.report()
     assert codes[0][0] == -signal.SIGKILL, multi.report()
-    return {"multi": multi, "single": single, "example": example, "ckpt": ckpt,
-            "seconds": time.monotonic() - t}
+    return {
+        "multi": multi,
+        "single": single,
+        "example": example,
+        "ckpt": ckpt,
+        "seconds": time.monotonic() - t,
+    }
 
 
 def test_two_processes_of_four_devices_make_one_mesh_of_eight(runs):
@@ -295,14 +322,39 @@ class ManagerJob(Job):
         port = free_port()
         self.procs = []
         for i in range(2):
-            argv = [sys.executable, str(WORKER.parent / "manager_worker.py"), "--out", str(out), "--ckpt",
-                    str(ckpt), "--devices", "4", "--steps", "6", "--save-every", "2", "--port", str(port),
-                    "--process-id", str(i), "--num-processes", "2", *extra]
+            argv = [
+                sys.executable,
+                str(WORKER.parent / "manager_worker.py"),
+                "--out",
+                str(out),
+                "--ckpt",
+                str(ckpt),
+                "--devices",
+                "4",
+                "--steps",
+                "6",
+                "--save-every",
+                "2",
+                "--port",
+                str(port),
+                "--process-id",
+                str(i),
+                "--num-processes",
+                "2",
+                *extra,
+            ]
             with open(self.logs[i], "wb") as log:
-                self.procs.append(subprocess.Popen(
-                    argv, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=ROOT,
+                        env=_env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         self.started = time.monotonic()
 
 

@@ -252,8 +252,12 @@ def test_causal_attention_against_loop_reference():
     attn = CausalSelfAttention(8, 2, key=KEY)
     x = jax.random.normal(keys(2)[1], (2, 5, 8))
     ref = np_attention(
-        np_(x), np_(attn.qkv.weight), np_(attn.qkv.bias), np_(attn.proj.weight),
-        np_(attn.proj.bias), 2,
+        np_(x),
+        np_(attn.qkv.weight),
+        np_(attn.qkv.bias),
+        np_(attn.proj.weight),
+        np_(attn.proj.bias),
+        2,
     )
     np.testing.assert_allclose(attn(x), ref, rtol=1e-4, atol=1e-5)
     # causal: changing the last position changes nothing before it
@@ -271,8 +275,12 @@ def test_transformer_block_against_reference():
     a = blk.attn
     xn = np_(x)
     h = xn + np_attention(
-        np_layernorm(xn, 1.0, 0.0), np_(a.qkv.weight), np_(a.qkv.bias), np_(a.proj.weight),
-        np_(a.proj.bias), 2,
+        np_layernorm(xn, 1.0, 0.0),
+        np_(a.qkv.weight),
+        np_(a.qkv.bias),
+        np_(a.proj.weight),
+        np_(a.proj.bias),
+        2,
     )
     m = blk.mlp
     inner = np_gelu(np_layernorm(h, 1.0, 0.0) @ np_(m.fc1.weight).T + np_(m.fc1.bias))

@@ -36,6 +36,7 @@ from tied.nn import Chain, Dense, Embedding
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def same_bits(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
@@ -123,8 +124,22 @@ def test_each_unique_array_is_stored_once_under_its_first_path(tmp_path):
     assert doc["views"] == [{"places": ["['dc'].y[1]"], "fn": "transpose", "source": "['dc'].x.content[0]"}]
 
 
-DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32, np.float64, np.complex64, np.int8, np.int16,
-          np.int32, np.int64, np.uint8, np.uint32, np.bool_, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+DTYPES = [
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint32,
+    np.bool_,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
 CASES = [(np.dtype(d), "numpy") for d in DTYPES] + [
     (np.dtype(d), "jax") for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)
 ]
@@ -185,10 +200,13 @@ def test_abstract_like_without_sharding_gives_uncommitted_arrays_as_the_single_f
     tied.save(tmp_path / "f.safetensors", m)
     _, gdef = tied.flatten(m)
     dev = jax.devices()[0]
-    like = tied.unflatten(gdef, [
-        jax.ShapeDtypeStruct((2, 2), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev)),
-        jax.ShapeDtypeStruct((2,), jnp.float32),
-    ])
+    like = tied.unflatten(
+        gdef,
+        [
+            jax.ShapeDtypeStruct((2, 2), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev)),
+            jax.ShapeDtypeStruct((2,), jnp.float32),
+        ],
+    )
     for back in (tied.load(tmp_path / "o", like), tied.load(tmp_path / "f.safetensors", like)):
         assert back.layers[0].weight is back.layers[1].weight
         w = back.layers[0].weight
@@ -311,8 +329,11 @@ def test_a_save_interrupted_before_it_is_final_leaves_the_previous_checkpoint(tm
     back = tied.load(path, tied_pair(0))
     assert back["embed"] is back["head"] and float(back["embed"][0, 0]) == 2.0
     assert tied.load_metadata(path) == {"step": 2}
-    with pytest.raises(tied.CheckpointError, match=r"ckpt/2\.orbax-checkpoint-tmp.*: an unfinished save "
-                       r".*interrupted before Orbax finalised it.*Load the checkpoint directory"):
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"ckpt/2\.orbax-checkpoint-tmp.*: an unfinished save "
+        r".*interrupted before Orbax finalised it.*Load the checkpoint directory",
+    ):
         tied.load(path / unfinished[0], tied_pair(0))
     # The next save removes the unfinished one and replaces the checkpoint.
     tied.save(path, tied_pair(4), {"step": 4}, format="orbax")
@@ -381,13 +402,17 @@ def test_damaged_checkpoints_are_refused_clearly(tmp_path, damage):
         tied.load(path, tied_pair(0))
 
 
-@pytest.mark.parametrize("field, value, like_shape, like_dtype", [
-    ("shape", [2, 2], (2, 2), jnp.float32),  # Orbax would truncate (4, 2) to (2, 2)
-    ("dtype", "int32", (4, 2), jnp.int32),  # Orbax would cast float32 to int32
-    ("name", "['other']", (4, 2), jnp.float32),
-])
-def test_a_manifest_that_disagrees_with_the_stored_arrays_is_refused(tmp_path, field, value, like_shape,
-                                                                    like_dtype):
+@pytest.mark.parametrize(
+    "field, value, like_shape, like_dtype",
+    [
+        ("shape", [2, 2], (2, 2), jnp.float32),  # Orbax would truncate (4, 2) to (2, 2)
+        ("dtype", "int32", (4, 2), jnp.int32),  # Orbax would cast float32 to int32
+        ("name", "['other']", (4, 2), jnp.float32),
+    ],
+)
+def test_a_manifest_that_disagrees_with_the_stored_arrays_is_refused(
+    tmp_path, field, value, like_shape, like_dtype
+):
     """Orbax restores onto whatever shape and dtype it is asked for; the manifest, which says what to
     ask for, is checked against Orbax's own metadata of the stored arrays first."""
     w = jnp.arange(8.0).reshape(4, 2)
@@ -436,8 +461,11 @@ def test_saving_over_something_else_is_refused_and_leaves_it(tmp_path):
     (other / "1").mkdir(parents=True)
     (other / "2").mkdir()
     (other / "notes.txt").write_text("keep me")
-    with pytest.raises(tied.CheckpointError, match=r"data is a directory that holds other things \(1, 2, "
-                       r"notes.txt\), not a tied Orbax checkpoint"):
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"data is a directory that holds other things \(1, 2, "
+        r"notes.txt\), not a tied Orbax checkpoint",
+    ):
         tied.save(other, tied_pair(1), format="orbax")
     assert step_dirs(other) == ["1", "2", "notes.txt"] and (other / "notes.txt").read_text() == "keep me"
     (tmp_path / "file").write_text("x")
@@ -509,9 +537,22 @@ def test_eight_fake_devices():
     )
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-         "tests/multiprocess/orbax_devices.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/multiprocess/orbax_devices.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report

@@ -40,8 +40,17 @@ def test_eight_fake_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-         "tests/multidevice/sharded.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/multidevice/sharded.py",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -244,6 +244,7 @@ def test_tie_weights_then_adam_keeps_one_parameter_against_optax_by_hand():
     assert_unchanged(lm, snap)
 
     loss = lambda m: jnp.mean((m(ids) - target) ** 2)
+
     # reference: one weight read at two places, per-place partials from plain jax.grad summed
     # by hand, Adam stepped by hand with optax on the unique parameters
     def ref_loss(w_embed, w_head, bias):
@@ -385,8 +386,11 @@ def test_unknown_path_lists_the_nearest_valid_ones():
     snap = snapshot(m)
     calls = ((treplace, (1,)), (tuntie, ()), (lambda t, p: ttie(t, ".layers[0].bias", p), ()))
     for fn, args in calls:
-        with pytest.raises(PathError, match=r"'\.layer\[0\]\.weight' is not a place of the model.*Nearest "
-                                            r"valid paths: \.layers\[0\]\.weight"):
+        with pytest.raises(
+            PathError,
+            match=r"'\.layer\[0\]\.weight' is not a place of the model.*Nearest "
+            r"valid paths: \.layers\[0\]\.weight",
+        ):
             fn(m, ".layer[0].weight", *args)
         with pytest.raises(KeyError):  # a PathError is a KeyError
             fn(m, ".layers[0].weights", *args)
@@ -409,9 +413,12 @@ def test_tie_refuses_nested_places_and_too_few_paths():
         ttie(m, ".layers[0]", ".layers[0].layers[0]")
     with pytest.raises(TypeError, match="two or more paths"):
         ttie(m, ".layers[0]")
-    with pytest.raises(ValueError, match=r"\.layers\[0\]\.layers\[0\] cannot hold the object at "
-                                         r"\.layers\[1\]: \.layers\[1\] holds a helpers\.Chain, "
-                                         r"\.layers\[0\]\.layers\[0\] holds a helpers\.Dense"):
+    with pytest.raises(
+        ValueError,
+        match=r"\.layers\[0\]\.layers\[0\] cannot hold the object at "
+        r"\.layers\[1\]: \.layers\[1\] holds a helpers\.Chain, "
+        r"\.layers\[0\]\.layers\[0\] holds a helpers\.Dense",
+    ):
         ttie(m, ".layers[1]", ".layers[0].layers[0]")
 
 
@@ -419,8 +426,11 @@ def test_untie_inside_a_shared_layer_names_the_layer_to_untie():
     d = Dense(jnp.ones((2, 2)), jnp.zeros(2))
     m = Chain(d, d)
     snap = snapshot(m)
-    with pytest.raises(ValueError, match=r"\.layers\[1\]\.bias lies inside \.layers\[1\], a container shared "
-                                         r"with \.layers\[0\].*tied\.untie\(tree, '\.layers\[1\]'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\.layers\[1\]\.bias lies inside \.layers\[1\], a container shared "
+        r"with \.layers\[0\].*tied\.untie\(tree, '\.layers\[1\]'\)",
+    ):
         tuntie(m, ".layers[1].bias")
     assert_unchanged(m, snap)
     out = tuntie(m, ".layers[1]")
@@ -477,8 +487,11 @@ def test_places_in_a_container_made_anew_on_each_flatten():
     np.testing.assert_array_equal(out["r"].items[1], w1)
     out = treplace(m, items + "[1]", jnp.full(2, 5.0))
     assert float(out["r"].items[1][0]) == 5.0 and out["r"].items[0] is w1
-    with pytest.raises(tied.GraphError, match=r"\['r'\]\[0\] did not keep what was written there.*made "
-                                              r"anew each time the model is walked"):
+    with pytest.raises(
+        tied.GraphError,
+        match=r"\['r'\]\[0\] did not keep what was written there.*made "
+        r"anew each time the model is walked",
+    ):
         ttie({"r": m["r"], "l": [w2, w1]}, "['l']", items)  # the pytree's list is a copy
 
 

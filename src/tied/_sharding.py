@@ -190,9 +190,7 @@ def device_put(tree: Any, sharding_or_tree: Any) -> Any:
         True
     """
     leaves, gdef = flatten(tree)
-    specs = leaf_shardings(
-        gdef, sharding_or_tree, [np.ndim(x) for x in leaves], label="tied.device_put"
-    )
+    specs = leaf_shardings(gdef, sharding_or_tree, [np.ndim(x) for x in leaves], label="tied.device_put")
     chosen = [i for i, s in enumerate(specs) if s is not None]
     new = list(leaves)
     if chosen:

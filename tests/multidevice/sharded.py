@@ -182,9 +182,10 @@ def test_conflicting_shardings_for_the_shared_embedding_name_both_paths(start):
     with pytest.raises(ValueError, match=r"\.embed\.weight and \.head\.weight hold one shared array"):
         tied.device_put(model, only_input)
     # Across arguments: one model passed twice, each time with another sharding.
-    twice = tied.jit(lambda a, b: a, in_shardings=(tied.sharding_tree(model, lambda p, x: vocab
-                                                                      if x.shape == (VOCAB, DIM) else rep),
-                                                   rep))
+    twice = tied.jit(
+        lambda a, b: a,
+        in_shardings=(tied.sharding_tree(model, lambda p, x: vocab if x.shape == (VOCAB, DIM) else rep), rep),
+    )
     with pytest.raises(ValueError, match=r"args\[0\]\.embed\.weight and args\[1\]\.embed\.weight hold"):
         twice(model, model)
 
@@ -207,8 +208,10 @@ def test_out_shardings_lay_out_a_shared_output_once():
     mesh = Mesh(np.array(jax.devices()), ("model",))
     vocab = NamedSharding(mesh, P("model", None))
     w = jnp.arange(VOCAB * DIM, dtype=jnp.float32).reshape(VOCAB, DIM)
-    f = tied.jit(lambda w: (lambda y: {"in": y, "out": y, "n": w.sum()})(w + 1),
-                 out_shardings={"in": vocab, "out": None, "n": None})
+    f = tied.jit(
+        lambda w: (lambda y: {"in": y, "out": y, "n": w.sum()})(w + 1),
+        out_shardings={"in": vocab, "out": None, "n": None},
+    )
     out = f(w)
     assert out["in"] is out["out"]  # one buffer, at both places
     assert out["in"].sharding.is_equivalent_to(vocab, 2)

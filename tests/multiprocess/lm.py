@@ -61,6 +61,6 @@ def abstract_like(rule):
     abstract = jax.eval_shape(init, jax.random.key(1)).value  # any key: values come from the file
     leaves, gdef = tied.flatten(abstract)
     shardings = [rule(paths[0], x) for x, paths in zip(leaves, gdef.leaf_paths())]
-    return tied.unflatten(gdef, [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)
-    ])
+    return tied.unflatten(
+        gdef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
+    )

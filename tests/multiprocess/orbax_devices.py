@@ -86,9 +86,9 @@ def abstract_like(rule):
     abstract = jax.eval_shape(init, jax.random.key(1)).value
     leaves, gdef = tied.flatten(abstract)
     shardings = [rule(ps[0], x) for x, ps in zip(leaves, gdef.leaf_paths())]
-    return tied.unflatten(gdef, [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)
-    ])
+    return tied.unflatten(
+        gdef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
+    )
 
 
 BATCHES = np.random.default_rng(3).integers(0, VOCAB, (4, BATCH, SEQ)).astype(np.int32)
@@ -127,8 +127,9 @@ def test_sharded_round_trip_onto_an_abstract_like(trained, tmp_path):
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in tied.flatten(like)[0])
     back_model, back_state = tied.load(tmp_path / "ckpt", like)
     assert_ties(back_model, back_state)
-    for x, want, leaf in zip(tied.flatten((back_model, back_state))[0], host((model, state)),
-                             tied.flatten(like)[0]):
+    for x, want, leaf in zip(
+        tied.flatten((back_model, back_state))[0], host((model, state)), tied.flatten(like)[0]
+    ):
         assert isinstance(x, jax.Array) and x.sharding == leaf.sharding
         np.testing.assert_array_equal(np.asarray(x), want)  # bit for bit
     # Each device holds its rows only: the embedding is stored once over the 8 devices.
@@ -181,8 +182,11 @@ def test_a_sharding_that_does_not_fit_names_the_path(tmp_path):
     bad = {"embed": jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=ROWS)}
     bad["head"] = bad["embed"]
     bad["b"] = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(MESH, P("x")))
-    with pytest.raises(tied.CheckpointError, match=r"sharding of like at \['embed'\] does not fit the saved "
-                       r"array of shape \(12, 4\).*evenly divide"):
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"sharding of like at \['embed'\] does not fit the saved "
+        r"array of shape \(12, 4\).*evenly divide",
+    ):
         tied.load(tmp_path / "ckpt", bad)
     # The 2x4 mesh splits 12 rows 2 ways: that fits, and the tie comes back.
     ok = jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=NamedSharding(MESH_2D, P("data")))

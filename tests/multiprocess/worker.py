@@ -123,7 +123,7 @@ def main() -> None:
     losses, restored_losses, checked = [], [], 0
     restored = None  # (model, state) restored from the checkpoint, stepped beside the live run
     for k in range(ARGS.steps):
-        local = all_batches[k][local_rows[0]: local_rows[-1] + 1]
+        local = all_batches[k][local_rows[0] : local_rows[-1] + 1]
         batch = jax.make_array_from_process_local_data(data, local, (BATCH, SEQ + 1))
         model, state, loss = step(model, state, batch)
         check(model, state, rows, rep)
