@@ -137,7 +137,8 @@ def _gradient_tree(structure: GraphDef, grads: list, *, totals: bool = True) -> 
         for g in grads:
             if g is not None:
                 mark_total(g)
-    # TODO core: a rebuild with None at every static, by name.
+    # None at every static: a gradient holds nothing at a static place (the core's rebuild
+    # takes the statics to put back as an argument).
     return _unflatten(structure, grads, statics=(None,) * len(structure.statics))
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
-from ._sharding import _describe, _same_layout, leaf_shardings
+from ._sharding import _describe_sharding, _same_layout, leaf_shardings
 from ._writeback import arguments, donation, is_donated, place_name, returns_copy, structure_error, write_back
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
@@ -563,8 +563,9 @@ def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | 
             continue
         where = place_name(gdef.leaf_paths()[i][0])
         return ValueError(
-            f"tied.jit in_shardings: the input at {where} is already placed as {_describe(x.sharding)}, "
-            f"but in_shardings asks for {_describe(s)}. JAX does not move a committed array implicitly: "
+            f"tied.jit in_shardings: the input at {where} is already placed as "
+            f"{_describe_sharding(x.sharding)}, but in_shardings asks for {_describe_sharding(s)}. "
+            "JAX does not move a committed array implicitly: "
             f"place the inputs first, tied.device_put(tree, in_sharding), or change in_shardings."
         )
     return None

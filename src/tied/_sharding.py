@@ -89,7 +89,7 @@ def _paths_of(gdef: GraphDef, i: int) -> list[str]:
     return [tree_paths[p][0] for p, q in enumerate(place_leaf) if q == i]
 
 
-def _describe(s: Any) -> str:
+def _describe_sharding(s: Any) -> str:
     if isinstance(s, NamedSharding):
         return f"NamedSharding(spec={s.spec}, mesh axes {dict(s.mesh.shape)})"
     return repr(s)
@@ -149,7 +149,8 @@ def leaf_shardings(
                 a, b = name(paths[first]), name(paths[k])
                 raise ValueError(
                     f"{label}: {a} and {b} hold one shared array, but it is given two different "
-                    f"shardings: {_describe(chosen)} at {a} and {_describe(s)} at {b}. A shared "
+                    f"shardings: {_describe_sharding(chosen)} at {a} and {_describe_sharding(s)} at {b}. "
+                    "A shared "
                     "array is stored once, so it has one sharding: give both places the same "
                     "sharding, or None at one of them to take the other's."
                 )

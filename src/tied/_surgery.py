@@ -218,7 +218,7 @@ def deep_copy(obj: Any) -> Any:
     return unflatten(gdef, [_copy_array(x) for x in leaves])
 
 
-def _describe(x: Any) -> str:
+def _describe_value(x: Any) -> str:
     if _is_array(x):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"a {type(x).__module__}.{type(x).__qualname__}"
@@ -238,10 +238,10 @@ def _check_tieable(p0: str, o0: Any, p: str, o: Any) -> None:
         )
 
     if _is_array(o0) != _is_array(o) or (not _is_array(o) and type(o) is not type(o0)):
-        raise fail(f"{_show(p0)} holds {_describe(o0)}, {_show(p)} holds {_describe(o)}")
+        raise fail(f"{_show(p0)} holds {_describe_value(o0)}, {_show(p)} holds {_describe_value(o)}")
     if _is_array(o):
         if tuple(o.shape) != tuple(o0.shape) or np.dtype(o.dtype) != np.dtype(o0.dtype):
-            raise fail(f"{_show(p0)} holds {_describe(o0)}, {_show(p)} holds {_describe(o)}")
+            raise fail(f"{_show(p0)} holds {_describe_value(o0)}, {_show(p)} holds {_describe_value(o)}")
         return
     s0, s = _signature(o0), _signature(o)
     for rel in list(s0) + [r for r in s if r not in s0]:
