@@ -29,7 +29,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, manager, state
+from . import checkpoint, host, manager, state
 from . import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -206,9 +206,7 @@ def _unflatten_pdense(activation, children):
 
 
 jax.tree_util.register_pytree_node(_PDense, _flatten_pdense, _unflatten_pdense)
-jax.tree_util.register_pytree_node(
-    _PChain, lambda c: ((c.layers,), None), lambda _, ch: _PChain(ch[0])
-)
+jax.tree_util.register_pytree_node(_PChain, lambda c: ((c.layers,), None), lambda _, ch: _PChain(ch[0]))
 
 
 def _tied_roundtrip(model):
@@ -376,6 +374,8 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{r['walk_seconds'] * 1e3:.1f} ms |"
         )
     lines.append("")
+    if "host" in results:
+        lines += host.report(results["host"])
     if "checkpoint" in results:
         lines += checkpoint.report(results["checkpoint"])
     if "manager" in results:
@@ -425,6 +425,11 @@ def main(argv=None) -> dict:
             f"{r['ratio_vs_jax_pyclass']:.2f}x registered classes, {r['ratio_vs_jax_dict']:.2f}x dicts",
             flush=True,
         )
+    print("[host] Adam step at 30, 300, 1,000 tiny layers; flatten+unflatten to 100,000 modules", flush=True)
+    layers = "30,300" if args.quick else "30,300,1000"
+    sizes = "10,100,1000" if args.quick else "10,100,1000,10000,100000"
+    rounds = "3" if args.quick else "7"
+    results["host"] = host.main(["--rounds", rounds, "--layers", layers, "--sizes", sizes])
     print("[checkpoint] tied.save/load against safetensors, 0.5 GiB model with a tie", flush=True)
     results["checkpoint"] = checkpoint.main(["--rounds", "3" if args.quick else "7"])
     print("[manager] tied.CheckpointManager: async save and a step beside it, 0.5 GiB model", flush=True)

@@ -51,7 +51,15 @@ from ._graphdef import (
     view_failed,
 )
 from ._kinds import _KIND_NAMES, _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
-from ._plan import compile_flatten, compile_unflatten
+from ._plan import (
+    LARGE_PLAN_SIGHTINGS,
+    MAX_PLAN_LINES,
+    compile_flatten,
+    compile_unflatten,
+    flatten_size,
+    plan_bound,
+    unflatten_size,
+)
 from ._read import read_places
 
 __all__ = [
@@ -225,7 +233,12 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
     # and the caches keyed on it (tied.jit's compiled functions) hit by identity.
     plan = plans.get("flatten plan")
     if plan is None:
-        plan = compile_flatten(first)
+        # A structure too large for a plan on its second sighting gets one once its walks
+        # have cost about what the compile will (see _plan.LARGE_PLAN_SIGHTINGS).
+        seen = plans["sightings"] = plans.get("sightings", 1) + 1
+        if seen < LARGE_PLAN_SIGHTINGS and flatten_size(first) > MAX_PLAN_LINES:
+            return first
+        plan = compile_flatten(first, plan_bound(seen))
         if plan is None:  # none can be made: never try again for this structure
             plans["no flatten plan"] = True
             return first
@@ -433,9 +446,9 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
     if build is None:
         count = plans.get("uses", 0) + 1
         plans["uses"] = count
-        if count >= 2:
+        if count >= 2 and (count >= LARGE_PLAN_SIGHTINGS or unflatten_size(graphdef) <= MAX_PLAN_LINES):
             # None: too large to be worth compiling; remembered as False, and walked
-            build = plans[materialize] = compile_unflatten(graphdef, materialize) or False
+            build = plans[materialize] = compile_unflatten(graphdef, materialize, plan_bound(count)) or False
     if build:
         out = build(leaves, statics)
         if CHECK_PLANS:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._graph import GraphDef, GraphError, flatten
-from ._live import lock, slots, write
+from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten
+from ._live import WritePlan, changed, lock, slots, write, write_plan
 
 
 def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
@@ -115,10 +115,64 @@ def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
 def write_back(root: Any, gdef: GraphDef, written: tuple, values: list, action: str) -> None:
     """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
     one write per unique container, under `tied.live_lock`. Every place is found (and checked
-    writable) before anything is written."""
+    writable) before anything is written: by the `WritePlan` kept on ``gdef`` for these
+    leaves (from the root to each place, no walk of the rest), else by `slots`."""
     with lock:
-        at = slots(root, gdef, written, action=action, frozen_ok=True)
-        write(at, values)
+        plan = gdef._plans.get(("write", written, True))
+        if type(plan) is WritePlan:
+            if CHECK_PLANS:  # the plan's places are the walk's, and its writes land there
+                slow = slots(root, gdef, written, action=action, frozen_ok=True)
+                _check_places(plan.find(root), slow, gdef)
+                plan.write(root, values)
+                if changed(slow, values):
+                    raise PlanMismatch(f"a write plan wrote elsewhere than the walk's places ({gdef})")
+                return
+            if plan.write(root, values):
+                return
+        write(find_places(root, gdef, written, action=action, frozen_ok=True), values)
+
+
+def find_places(root: Any, gdef: GraphDef, which: tuple, *, action: str, frozen_ok: bool) -> list:
+    """`slots(root, gdef, which, ...)`, through a `WritePlan` kept on ``gdef`` per ``which``
+    made by the first `slots` run. ``gdef`` is that of a flatten of ``root`` just taken.
+    Under ``TIED_CHECK_PLANS=1`` the plan's slots are compared with `slots`' (a difference,
+    or a plan that gives up on a model of its own GraphDef, is a `PlanMismatch`)."""
+    key = ("write", which, frozen_ok)
+    plan = gdef._plans.get(key)
+    if plan is None:
+        at, plan = write_plan(root, gdef, which, action=action, frozen_ok=frozen_ok)
+        gdef._plans[key] = _NO_PLAN if plan is None else plan
+        return at
+    if plan is _NO_PLAN:
+        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok)
+    at = plan.find(root)
+    if CHECK_PLANS:
+        _check_places(at, slots(root, gdef, which, action=action, frozen_ok=frozen_ok), gdef)
+    if at is None:
+        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok)
+    return at
+
+
+_NO_PLAN = object()  # this structure needs what only `slots` decides: never planned
+
+
+def _check_places(fast: Any, slow: list, gdef: GraphDef) -> None:
+    if fast is None:
+        raise PlanMismatch(f"a write plan gave up on a model of its own structure ({gdef})")
+    same = len(fast) == len(slow) and all(
+        len(a) == len(b)
+        and all(
+            type(x) is type(y)
+            and x.path == y.path
+            and x._obj is y._obj
+            and x._i == y._i
+            and x._meta == y._meta
+            for x, y in zip(a, b)
+        )
+        for a, b in zip(fast, slow)
+    )
+    if not same:
+        raise PlanMismatch(f"a write plan disagrees with the walk of the model ({gdef})")
 
 
 def place_name(path: str) -> str:

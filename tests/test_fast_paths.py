@@ -1,0 +1,265 @@
+"""Fast paths of the host side: each gives exactly what the slow path gives, or gives up.
+
+* The write-back of `tied.jit` finds the places to write through a `WritePlan` kept on
+  the GraphDef (positions from the root, checked on the live objects each call) instead
+  of walking the whole model: a layer replaced between calls by another object of the
+  same structure must receive the write; any difference makes the plan give up.
+* Checked against a numpy replay (never against tied), and under ``TIED_CHECK_PLANS=1``
+  (the suite's setting) every plan result is compared with `tied._live.slots`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tied
+from tied import _graph, _live, _writeback
+
+
+@tied.register
+class Norm:
+    """Running mean as State, and a parameter (never written by the step)."""
+
+    def __init__(self, n):
+        self.scale = jnp.ones(n)
+        self.mean = tied.State(jnp.zeros(n))
+
+    def __call__(self, x):
+        self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
+        return (x - self.mean.value) * self.scale
+
+
+@tied.register
+class Net:
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+X = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3) / 7.0
+
+
+def replay(means, x, steps):
+    """The running means of a chain of Norms (scale 1) after ``steps`` calls, in numpy."""
+    means = [np.asarray(m, np.float32) for m in means]
+    for _ in range(steps):
+        h = np.asarray(x, np.float32)
+        for k in range(len(means)):
+            means[k] = np.float32(0.9) * means[k] + np.float32(0.1) * h.mean(0)
+            h = np.tanh(h - means[k])
+    return means
+
+
+def test_check_mode_is_on():
+    assert _graph.CHECK_PLANS, "the suite runs with TIED_CHECK_PLANS=1 (tests/conftest.py)"
+
+
+def test_write_back_reaches_a_layer_replaced_between_calls_and_leaves_the_old_one():
+    net = Net([Norm(3), Norm(3), Norm(3)])
+    step = tied.jit(lambda m, x: m(x))
+    for _ in range(3):
+        step(net, X)
+    expect = replay([0, 0, 0], X, 3)
+    old = net.layers[1]
+    old_mean = np.asarray(old.mean.value)
+    np.testing.assert_allclose(old_mean, expect[1], rtol=1e-6)
+    # Same structure, new objects: the plan navigates to them, nothing retraces.
+    net.layers[1] = Norm(3)
+    net.layers = list(net.layers)  # the list itself replaced too
+    for _ in range(2):
+        step(net, X)
+    np.testing.assert_array_equal(np.asarray(old.mean.value), old_mean)  # untouched
+    means = [np.asarray(layer.mean.value) for layer in net.layers]
+    # layers 0 and 2 carried on for 5 calls; layer 1 restarted from zero after 3
+    h = np.asarray(X, np.float32)
+    ref0 = replay([0], X, 5)[0]
+    np.testing.assert_allclose(means[0], ref0, rtol=1e-5)
+    # replay the chain by hand from the state after 3 calls, layer 1 reset
+    ms = [expect[0], np.zeros(3, np.float32), expect[2]]
+    for _ in range(2):
+        h = np.asarray(X, np.float32)
+        for k in range(3):
+            ms[k] = np.float32(0.9) * ms[k] + np.float32(0.1) * h.mean(0)
+            h = np.tanh(h - ms[k])
+    for got, want in zip(means, ms):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_write_back_into_a_shared_layer_replaced_at_both_places_keeps_the_tie():
+    shared = Norm(3)
+    net = Net([shared, Norm(3), shared])
+    step = tied.jit(lambda m, x: m(x))
+    step(net, X)
+    step(net, X)
+    new = Norm(3)
+    net.layers[0] = net.layers[2] = new
+    step(net, X)
+    assert net.layers[0] is net.layers[2] is new
+    assert net.layers[0].mean is net.layers[2].mean
+    # the new shared layer was called twice in the third call, from zero
+    h = np.asarray(X, np.float32)
+    m0 = np.float32(0.1) * h.mean(0)
+    h = np.tanh(h - m0)
+    m1 = np.asarray(net.layers[1].mean.value)
+    h = np.tanh(h - m1)
+    m2 = np.float32(0.9) * m0 + np.float32(0.1) * h.mean(0)
+    np.testing.assert_allclose(np.asarray(new.mean.value), m2, rtol=1e-5)
+    assert not np.allclose(np.asarray(shared.mean.value), 0)  # the old one kept its two calls
+
+
+def test_write_plan_gives_up_on_any_difference_on_the_way():
+    net = Net([Norm(3), {"a": Norm(3)}])
+    leaves, gdef = tied.flatten(net)
+    which = tuple(i for i, s in enumerate(gdef.state_leaves()) if s)
+    slow, plan = _live.write_plan(net, gdef, which, action="test", frozen_ok=True)
+    assert plan is not None
+    fast = plan.find(net)
+    assert [[(s.path, s._obj, s._i) for s in at] for at in fast] == [
+        [(s.path, s._obj, s._i) for s in at] for at in slow
+    ]
+    # a list made longer, a dict key renamed, a layer of another class: None, never a guess
+    longer = Net([Norm(3), {"a": Norm(3)}, Norm(3)])
+    assert plan.find(longer) is None
+    renamed = Net([Norm(3), {"b": Norm(3)}])
+    assert plan.find(renamed) is None
+
+    @tied.register
+    class Other(Norm):
+        pass
+
+    assert plan.find(Net([Other(3), {"a": Norm(3)}])) is None
+    fields = Net([Norm(3), {"a": Norm(3)}])
+    fields.layers[0].extra = 1.0
+    assert plan.find(fields) is None
+
+
+def test_a_plan_that_disagrees_with_slots_fails_in_check_mode():
+    net = Net([Norm(3), Norm(3)])
+    step = tied.jit(lambda m, x: m(x))
+    for _ in range(4):  # from the third call on, the call's GraphDef is its plan's (interned)
+        step(net, X)
+    _, gdef = _graph.flatten_with(((net, X), {}), step._plans)
+    plans = [(k, p) for k, p in gdef._plans.items() if isinstance(k, tuple) and k[:1] == ("write",)]
+    assert plans and isinstance(plans[0][1], _live.WritePlan)
+    key, plan = plans[0]
+    # a lying plan: the first two arrays' places swapped
+    assert len(plan.places) == 2
+    (n0, *rest0), (n1, *rest1) = plan.places
+    bad = _live.WritePlan(plan.nodes, ((n1, *rest0), (n0, *rest1)), plan.n)
+    gdef._plans[key] = bad
+    try:
+        with pytest.raises(_graph.PlanMismatch, match="write plan disagrees"):
+            step(net, X)
+    finally:
+        gdef._plans[key] = plan
+    step(net, X)
+
+
+def test_state_inside_a_tuple_held_by_a_cell_is_written_by_the_slow_path_every_call():
+    cell = tied.State((jnp.zeros(2), jnp.ones(2)))
+
+    @tied.jit
+    def bump(c):
+        a, b = c.value
+        c.value = (a + 1, b)
+
+    for _ in range(4):
+        bump(cell)
+    np.testing.assert_array_equal(np.asarray(cell.value[0]), np.full(2, 4.0))
+    np.testing.assert_array_equal(np.asarray(cell.value[1]), np.ones(2))
+    _, gdef = tied.flatten(((cell,), {}))
+    assert any(p is _writeback._NO_PLAN for p in gdef._plans.values())
+
+
+def test_errors_still_come_from_slots_by_path():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        w: jax.Array
+
+    tied.register(Frozen)
+    model = [Frozen(jnp.zeros(2))]
+    leaves, gdef = tied.flatten(model)
+    with pytest.raises(tied.GraphError, match=r"\[0\]\.w: test writes new arrays"):
+        _writeback.find_places(model, gdef, (0,), action="test", frozen_ok=False)
+    with pytest.raises(tied.GraphError, match=r"\[0\]\.w: test writes new arrays"):
+        _writeback.find_places(model, gdef, (0,), action="test", frozen_ok=False)
+
+
+def test_once_planned_the_write_back_does_not_walk_the_model(monkeypatch):
+    net = Net([Norm(3) for _ in range(4)])
+    step = tied.jit(lambda m, x: m(x))
+    for _ in range(3):
+        step(net, X)
+
+    def no_walk(*a, **k):
+        raise AssertionError("slots() walked the model")
+
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", False)
+    monkeypatch.setattr(_writeback, "slots", no_walk)
+    for _ in range(2):
+        step(net, X)
+    means = replay([0, 0, 0, 0], X, 5)
+    for layer, want in zip(net.layers, means):
+        np.testing.assert_allclose(np.asarray(layer.mean.value), want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_graph_over_the_plan_bound_gets_its_plan_after_enough_sightings(monkeypatch):
+    from tied import _plan
+
+    @tied.register
+    class Cell:
+        def __init__(self, w, b):
+            self.w, self.b, self.name = w, b, "cell"
+
+    shared = jnp.zeros(2)
+    weights = [jnp.full((2,), float(i)) for i in range(40)]
+    model = [Cell(w, shared) for w in weights]
+    for mod in (_graph, _plan):
+        monkeypatch.setattr(mod, "MAX_PLAN_LINES", 50)
+        monkeypatch.setattr(mod, "LARGE_PLAN_SIGHTINGS", 5)
+    planned = []
+    for _ in range(8):
+        leaves, gdef = tied.flatten(model)
+        # the walk's answer, whoever gave it: every weight once, the shared bias once
+        assert len(leaves) == 41 and leaves[0] is weights[0] and leaves[1] is shared
+        assert all(a is b for a, b in zip(leaves[2:], weights[1:]))
+        out = tied.unflatten(gdef, leaves)
+        assert all(c.b is out[0].b for c in out) and out[3].w is weights[3]
+        planned.append(bool(gdef._plans.get("flatten plan")))
+    # no plan at the second sighting (too large), one from the fifth on
+    assert planned == [False, False, False, False, True, True, True, True]
+
+
+def test_without_check_mode_the_plan_writes_into_a_replaced_layer(monkeypatch):
+    net = Net([Norm(3), Norm(3)])
+    step = tied.jit(lambda m, x: m(x))
+    for _ in range(3):
+        step(net, X)
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", False)
+    old = net.layers[0]
+    before = np.asarray(old.mean.value)
+    net.layers[0] = Norm(3)
+    step(net, X)
+    np.testing.assert_array_equal(np.asarray(old.mean.value), before)
+    m0 = np.float32(0.1) * np.asarray(X, np.float32).mean(0)
+    np.testing.assert_allclose(np.asarray(net.layers[0].mean.value), m0, rtol=1e-6)
+
+
+def test_write_plan_write_gives_up_before_writing_anything():
+    net = Net([Norm(3), {"a": Norm(3)}])
+    leaves, gdef = tied.flatten(net)
+    which = tuple(i for i, s in enumerate(gdef.state_leaves()) if s)
+    _, plan = _live.write_plan(net, gdef, which, action="test", frozen_ok=True)
+    other = Net([Norm(3), {"b": Norm(3)}])
+    kept = [other.layers[0].mean.value, other.layers[1]["b"].mean.value]
+    assert plan.write(other, [jnp.ones(3), jnp.ones(3)]) is False
+    assert other.layers[0].mean.value is kept[0] and other.layers[1]["b"].mean.value is kept[1]
+    assert plan.write(net, [jnp.ones(3), 2 * jnp.ones(3)]) is True
+    assert float(net.layers[0].mean.value[0]) == 1.0 and float(net.layers[1]["a"].mean.value[0]) == 2.0
