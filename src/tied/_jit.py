@@ -320,7 +320,7 @@ class Jitted:
         n_out = len(out.leaves) - len(written)
         out_leaves = out.leaves[:n_out]
         if written:
-            write_back(root, gdef, written, out.leaves[n_out:], "tied.jit")
+            write_back(root, gdef, written, out.leaves[n_out:], "tied.jit", leaves)
         if any(out.totals):  # the output holds tied's own total gradients: keep them known
             for x, total in zip(out_leaves, out.totals):
                 if total:

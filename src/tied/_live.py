@@ -188,9 +188,10 @@ class _CellSlot:
 
 def _cell_slot(place: Any, node: _Open, opened: dict) -> _CellSlot | None:
     """A `_CellSlot` for an array place whose container cannot be written, when a
-    `tied.State` above it holds the immutable containers in between; else None."""
+    `tied.State` above it holds the containers in between (immutable ones, and any list or
+    dict around them: the cell's value is rebuilt whole); else None."""
     keys = [place.key]
-    while node is not None and not node.kind.can_write(node.meta):
+    while node is not None and node.kind.name != "state":
         keys.append(node.place.key)
         node = node.up
     if node is None or node.kind.name != "state" or not keys or str(keys[-1]) != ".value":
@@ -242,7 +243,7 @@ def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError
         )
     return GraphError(
         f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
-        f"but this parameter place is in a {what} ({type(obj).__name__}), which cannot be "
+        f"but this place is in a {what} ({type(obj).__name__}), which cannot be "
         f"changed in place. Nothing was written. {fix}"
     )
 

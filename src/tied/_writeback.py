@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten
-from ._live import WritePlan, changed, lock, slots, write, write_plan
+from ._live import lock, slots, write, write_plan
 
 
 def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
@@ -112,24 +112,40 @@ def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
     return False
 
 
-def write_back(root: Any, gdef: GraphDef, written: tuple, values: list, action: str) -> None:
+def write_back(
+    root: Any, gdef: GraphDef, written: tuple, values: list, action: str, inputs: list | None = None
+) -> None:
     """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
-    one write per unique container, under `tied.live_lock`. Every place is found (and checked
-    writable) before anything is written: by the `WritePlan` kept on ``gdef`` for these
-    leaves (from the root to each place, no walk of the rest), else by `slots`."""
+    one write per unique container, under `tied.live_lock`. Every place is found (by the
+    `WritePlan` kept on ``gdef`` for these leaves, else by `slots`) and checked before
+    anything is written: writable, and, given ``inputs`` (the leaves flattened before the
+    call), still holding the array the call was given there, so a model changed while the
+    call ran (by another thread, or a callback inside it) is refused, never half-updated."""
     with lock:
-        plan = gdef._plans.get(("write", written, True))
-        if type(plan) is WritePlan:
-            if CHECK_PLANS:  # the plan's places are the walk's, and its writes land there
-                slow = slots(root, gdef, written, action=action, frozen_ok=True)
-                _check_places(plan.find(root), slow, gdef)
-                plan.write(root, values)
-                if changed(slow, values):
-                    raise PlanMismatch(f"a write plan wrote elsewhere than the walk's places ({gdef})")
-                return
-            if plan.write(root, values):
-                return
-        write(find_places(root, gdef, written, action=action, frozen_ok=True), values)
+        try:
+            at = find_places(root, gdef, written, action=action, frozen_ok=True)
+        except GraphError as e:
+            raise GraphError(_argument_message(str(e))) from None
+        if inputs is not None:
+            cache: dict = {}
+            for q, slots_q in zip(written, at):
+                for slot in slots_q:
+                    if slot.get(cache) is not inputs[q]:
+                        raise GraphError(
+                            f"{place_name(slot.path)}: {action}: this place was changed while the "
+                            "call ran (another thread, or a callback inside the function, assigned "
+                            "to the model), so the new value has no place to go. Nothing was "
+                            "written. Change the model between calls, or under tied.live_lock."
+                        )
+        write(at, values)
+
+
+def _argument_message(message: str) -> str:
+    """A message that starts with a path of ``(args, kwargs)``, with that path as an argument's."""
+    path, sep, rest = message.partition(": ")
+    if sep and (path.startswith("[0][") or path.startswith("[1][")):
+        return place_name(path) + sep + rest
+    return message
 
 
 def find_places(root: Any, gdef: GraphDef, which: tuple, *, action: str, frozen_ok: bool) -> list:
