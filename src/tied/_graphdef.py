@@ -155,17 +155,21 @@ class GraphDef:
     # ------------------------------------------------ what the layers above may read
     # Everything outside the core reads a GraphDef through these names only.
 
-    def walk_places(self, *, expand_shared: bool = False, cut_cycles: bool = False) -> Iterator[Place]:
+    def walk_places(
+        self, *, expand_shared: bool = False, cut_cycles: bool = False, paths: bool = True
+    ) -> Iterator[Place]:
         """Every place of the graph in walk order (depth first, children in order).
 
         By default a shared node's children are visited under its first place
         only (its later places are yielded with ``first=False``); with
         ``expand_shared=True`` they are visited at every place, as in a tree
         (a reference cycle is then a `GraphError`, or with ``cut_cycles`` a reference back
-        to a node entered above is yielded but not followed).
+        to a node entered above is yielded but not followed). With ``paths=False`` each
+        place's path is ``""`` (its ``parent`` and ``key`` say where it is): the walk then
+        costs the same at any depth, where full paths grow with the square of the depth.
         """
         records, keys = self.records, self._keys()
-        for path, depth, r, first, parent, i in _traverse(self, expand_shared, cut_cycles):
+        for path, depth, r, first, parent, i in _traverse(self, expand_shared, cut_cycles, paths):
             key = keys[parent][i] if parent >= 0 else None
             q, m = divmod(r, 3)
             if m == 0:

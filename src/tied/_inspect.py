@@ -93,20 +93,27 @@ class _Dag:
         self.children: dict[int, list[tuple[tuple[str, int], str]]] = {}
         self.node: dict[int, _Spot] = {}  # node index -> its first place
         self.first: dict[tuple[str, int], str] = {}  # object -> its first place, as shown
-        # The open nodes by depth: (node, length of its path, its path as shown).
+        # The open nodes by depth: (node, length of its full path, its path as shown). Full
+        # paths are never built (the walk runs with paths=False): each place's is its
+        # parent's plus its own keystr piece, and only its length and the shown (capped)
+        # string are kept, so time and memory grow linearly with the places, however deep.
         open_nodes: list[tuple[int, int, str]] = []
         pieces: list[str] = []  # the keystr piece of each open node, by depth
-        for p in gdef.walk_places():
+        for p in gdef.walk_places(paths=False):
             obj = _obj(p)
             if p.depth:
                 del open_nodes[p.depth :]
                 del pieces[p.depth :]
-                parent, parent_len, _ = open_nodes[p.depth - 1]
-                piece = p.path[parent_len:]
+                parent, parent_len, parent_shown = open_nodes[p.depth - 1]
+                piece = jax.tree_util.keystr((p.key,))
                 self.children[parent].append((obj, piece))
-                shown = _elide(p.path, pieces, piece)
+                length = parent_len + len(piece)
+                if length <= _CAP:
+                    shown = parent_shown + piece
+                else:
+                    shown = _elide_tail(pieces, piece)
             else:
-                piece, shown = p.path, _keystr(p.path)
+                piece, length, shown = "", 0, _keystr("")
             spot = _Spot(shown, p.depth, p.kind, p.index, p.first, p.type, p.value)
             self.places.append(spot)
             if p.first:
@@ -114,16 +121,14 @@ class _Dag:
                 if obj[0] == "node":
                     self.node[p.index] = spot
                     self.children[p.index] = []
-                    open_nodes.append((p.index, len(p.path), shown))
+                    open_nodes.append((p.index, length, shown if p.depth else ""))
                     pieces.append(piece)
         self.root = _obj(self.places[0])
 
 
-def _elide(path: str, pieces: list[str], piece: str) -> str:
-    """``path`` as the table shows it: whole up to ``_CAP`` characters, else ``...`` and its last
-    pieces (read from the open nodes' pieces, so the cost does not grow with the depth)."""
-    if len(path) <= _CAP:
-        return path
+def _elide_tail(pieces: list[str], piece: str) -> str:
+    """A path longer than ``_CAP`` characters as the table shows it: ``...`` and its last pieces
+    (read from the open nodes' pieces, so the cost does not grow with the depth)."""
     tail = [piece]
     n = len(piece)
     for k in range(len(pieces) - 1, 0, -1):
