@@ -972,10 +972,6 @@ def test_a_layer_assigned_while_the_call_runs_does_not_receive_its_state():
     np.testing.assert_array_equal(old_b.s.value, before)  # and nothing was half-written
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a new dict put in a State inside f is written into the caller's old dict (eager rebinds it)",
-)
 def test_a_snapshot_of_a_dict_valued_state_is_not_changed_by_a_jitted_call():
     def f(s):
         s.value = {"a": s.value["a"] + 1}

@@ -139,7 +139,9 @@ def slots(
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
                 slot: Any = None
-                if not kind.can_write(node.meta):
+                if not kind.can_write(node.meta) or (kind.name != "state" and _in_cell(node)):
+                    # Below a state cell's value: the cell gets a rebuilt value, so a container
+                    # of the old value (a snapshot the caller kept) is never changed in place.
                     slot = _cell_slot(place, node, opened)
                     if slot is None:
                         raise _immutable_error(place.path, kind, node.obj, action)
@@ -184,6 +186,16 @@ class _CellSlot:
             if tuple(p) == self._keys
         ]
         return found[0] if found else CHANGED
+
+
+def _in_cell(node: Any) -> bool:
+    """Whether an open node lies inside a `tied.State`'s value."""
+    node = node.up
+    while node is not None:
+        if node.kind.name == "state":
+            return True
+        node = node.up
+    return False
 
 
 def _cell_slot(place: Any, node: _Open, opened: dict) -> _CellSlot | None:
