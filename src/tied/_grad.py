@@ -15,7 +15,7 @@ import numpy as np
 from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
 from ._live import lock, slots, write
 from ._under import warn_none_selected
-from ._writeback import first_difference
+from ._writeback import escaping_tracer, first_difference
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -316,15 +316,9 @@ def _write_state(args, nums, single, leaves, gdef, structure, written, values, p
                 )
             by_leaf[q] = v
         written, values = list(by_leaf), list(by_leaf.values())
-    for q, v in zip(written, values):
-        if isinstance(v, jax.core.Tracer) and not isinstance(leaves[q], jax.core.Tracer):
-            raise GraphError(
-                f"{gdef.leaf_paths()[q][0] or '<root>'}: the loss wrote state computed inside an "
-                "enclosing transform (jax.vmap, jax.jit, tied.jit over a function that captures "
-                "the model) into a model that lives outside it, where it would stay a dead traced "
-                "value. Nothing was written. Pass the model as an argument of the transform "
-                "(tied.jit(step)(model, x)), or compute the state update outside it."
-            )
+    escaping = escaping_tracer(gdef, leaves, written, values, "the loss", "nothing was written")
+    if escaping is not None:
+        raise escaping
     model = args[nums[0]] if single else tuple(args[i] for i in nums)
     with lock:
         write(slots(model, gdef, written, action="tied.grad", frozen_ok=True), values)

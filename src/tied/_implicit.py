@@ -28,6 +28,7 @@ from ._grad import Trainable, _gradient_tree, is_param, trainable_mask
 from ._graph import GraphDef, GraphError, flatten
 from ._live import changed, check_written, lock, restore, slots, write
 from ._view import View
+from ._writeback import escaping_tracer
 
 __all__ = ["Params", "Grads", "params", "gradient"]
 
@@ -411,26 +412,11 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
                 back = [leaves[q] for q in at]
             if at:
                 where_state = slots(model, gdef, at, action="tied.gradient", frozen_ok=True)
-                escaping = _escaping_tracer(gdef, leaves, at, back)
+                escaping = escaping_tracer(gdef, leaves, at, back, "fun", "it was put back as it was")
                 write(where_state, [leaves[q] for q in at] if escaping else back)
                 if escaping:
                     raise escaping
     return Grads(originals, grads)
-
-
-def _escaping_tracer(gdef: GraphDef, leaves: list, at: list, values: list) -> GraphError | None:
-    """State computed inside an enclosing transform cannot be written into a model that
-    lives outside it (it would stay a dead traced value): the error, or None."""
-    for q, v in zip(at, values):
-        if isinstance(v, jax.core.Tracer) and not isinstance(leaves[q], jax.core.Tracer):
-            return GraphError(
-                f"{gdef.leaf_paths()[q][0] or '<root>'}: fun wrote state computed inside an "
-                "enclosing transform (jax.vmap, jax.jit over a function that captures the "
-                "model) into a model that lives outside it, where it would stay a dead traced "
-                "value; it was put back as it was. Pass the model as an argument of the "
-                "transform, or compute the state update outside it."
-            )
-    return None
 
 
 def _check_after(model: Any, gdef: GraphDef, expected: list, where: list, values: list) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten
 from ._live import lock, slots, write, write_plan
 
@@ -198,3 +200,20 @@ def place_name(path: str) -> str:
     if path.startswith("[1]"):
         return "kwargs" + path[3:]
     return path or "<root>"
+
+
+def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: str, after: str):
+    """The error for state computed inside an enclosing transform that would be written into
+    a model living outside it (where it would stay a dead traced value), or None. ``leaves``
+    are the model's arrays before the call, ``at`` the indices written, ``who`` what wrote
+    ("the loss", "fun") and ``after`` what became of the model."""
+    for q, v in zip(at, values):
+        if isinstance(v, jax.core.Tracer) and not isinstance(leaves[q], jax.core.Tracer):
+            return GraphError(
+                f"{gdef.leaf_paths()[q][0] or '<root>'}: {who} wrote state computed inside an "
+                "enclosing transform (jax.vmap, jax.jit, tied.jit over a function that captures "
+                f"the model) into a model that lives outside it, where it would stay a dead traced "
+                f"value; {after}. Pass the model as an argument of the transform "
+                "(tied.jit(step)(model, x)), or compute the state update outside it."
+            )
+    return None
