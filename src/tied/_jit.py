@@ -62,6 +62,11 @@ class Graph:
         >>> new, state = tied.optim.update(state, model, grads)
         >>> new.layers[0].weight is new.layers[1].weight
         True
+
+        ``Graph(x)`` is for a model or tied's own gradients: a Graph made inside a
+        transform from plain ``jax.grad`` partials that share one object is refused as
+        ambiguous, but one made outside any transform from such partials and rebuilt by
+        JAX would be read as a total too.
     """
 
     __slots__ = ("leaves", "graphdef", "_value", "_trusted", "_made")
