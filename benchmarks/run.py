@@ -170,43 +170,8 @@ def _from_pytree(model, place_values):
 # ---------------------------------------------------------------- scaling
 
 
-@tied.register
-class _Dense:
-    def __init__(self, weight, bias):
-        self.weight, self.bias, self.activation = weight, bias, jnp.tanh
-
-
-@tied.register
-class _Chain:
-    def __init__(self, layers):
-        self.layers = layers
-
-
-class _PDense:
-    """The same module as a JAX-registered pytree class (what a user registers)."""
-
-    def __init__(self, weight, bias):
-        self.weight, self.bias, self.activation = weight, bias, jnp.tanh
-
-
-class _PChain:
-    def __init__(self, layers):
-        self.layers = layers
-
-
-def _flatten_pdense(d):
-    return (d.weight, d.bias), d.activation
-
-
-def _unflatten_pdense(activation, children):
-    d = object.__new__(_PDense)
-    d.weight, d.bias = children
-    d.activation = activation
-    return d
-
-
-jax.tree_util.register_pytree_node(_PDense, _flatten_pdense, _unflatten_pdense)
-jax.tree_util.register_pytree_node(_PChain, lambda c: ((c.layers,), None), lambda _, ch: _PChain(ch[0]))
+# The scaling workload's classes: the same modules as tied nodes and as JAX pytrees (benchmarks.host).
+_Dense, _Chain, _PDense, _PChain = host.HDense, host.HChain, host.PDense, host.PChain
 
 
 def _tied_roundtrip(model):
