@@ -93,25 +93,20 @@ class _Dag:
         self.children: dict[int, list[tuple[tuple[str, int], str]]] = {}
         self.node: dict[int, _Spot] = {}  # node index -> its first place
         self.first: dict[tuple[str, int], str] = {}  # object -> its first place, as shown
-        # The open nodes by depth: (node, length of its full path, its path as shown). Full
-        # paths are never built (the walk runs with paths=False): each place's is its
-        # parent's plus its own keystr piece, and only its length and the shown (capped)
-        # string are kept, so time and memory grow linearly with the places, however deep.
-        open_nodes: list[tuple[int, int, str]] = []
-        pieces: list[str] = []  # the keystr piece of each open node, by depth
+        # Each node entered (at its first place): (length of its full path, its path as shown,
+        # its keystr piece, its parent node). Full paths are never built (the walk runs with
+        # paths=False): each place's is its parent's plus its own piece (`Place.parent`,
+        # `Place.key`), and only its length and the shown (capped) string are kept, so time
+        # and memory grow linearly with the places, however deep.
+        entered: dict[int, tuple[int, str, str, int]] = {}
         for p in gdef.walk_places(paths=False):
             obj = _obj(p)
-            if p.depth:
-                del open_nodes[p.depth :]
-                del pieces[p.depth :]
-                parent, parent_len, parent_shown = open_nodes[p.depth - 1]
+            if p.parent >= 0:
+                parent_len, parent_shown, _, _ = entered[p.parent]
                 piece = jax.tree_util.keystr((p.key,))
-                self.children[parent].append((obj, piece))
+                self.children[p.parent].append((obj, piece))
                 length = parent_len + len(piece)
-                if length <= _CAP:
-                    shown = parent_shown + piece
-                else:
-                    shown = _elide_tail(pieces, piece)
+                shown = parent_shown + piece if length <= _CAP else _elide_tail(entered, p.parent, piece)
             else:
                 piece, length, shown = "", 0, _keystr("")
             spot = _Spot(shown, p.depth, p.kind, p.index, p.first, p.type, p.value)
@@ -121,21 +116,23 @@ class _Dag:
                 if obj[0] == "node":
                     self.node[p.index] = spot
                     self.children[p.index] = []
-                    open_nodes.append((p.index, length, shown if p.depth else ""))
-                    pieces.append(piece)
+                    entered[p.index] = (length, shown if p.parent >= 0 else "", piece, p.parent)
         self.root = _obj(self.places[0])
 
 
-def _elide_tail(pieces: list[str], piece: str) -> str:
+def _elide_tail(entered: dict, parent: int, piece: str) -> str:
     """A path longer than ``_CAP`` characters as the table shows it: ``...`` and its last pieces
-    (read from the open nodes' pieces, so the cost does not grow with the depth)."""
+    (read up the parent chain only as far as they fit, so the cost does not grow with depth)."""
     tail = [piece]
     n = len(piece)
-    for k in range(len(pieces) - 1, 0, -1):
-        if n + len(pieces[k]) > _CAP - 3:
+    j = parent
+    while j >= 0:
+        _, _, up_piece, up = entered[j]
+        if not up_piece or n + len(up_piece) > _CAP - 3:
             break
-        tail.append(pieces[k])
-        n += len(pieces[k])
+        tail.append(up_piece)
+        n += len(up_piece)
+        j = up
     return "..." + "".join(reversed(tail)) if n <= _CAP - 3 else "..." + piece[-(_CAP - 3) :]
 
 

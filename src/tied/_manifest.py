@@ -201,14 +201,14 @@ class _Placing:
         self.arrays: list[list[int]] = [[] for _ in range(gdef.num_leaves)]
         self.nodes: list[list[int]] = [[] for _ in range(gdef.num_nodes)]
         self.views: list[int] = []  # the view nodes, in index order
-        above: list[int] = []  # the place of the node entered at each depth
+        first: dict[int, int] = {}  # node index -> its first place (its children are below it)
         for p in gdef.walk_places():
             if p.kind == "static":
                 continue
             t = len(self.paths)
-            parent = above[p.depth - 1] if p.depth else -1
+            parent = first[p.parent] if p.parent >= 0 else -1
             self.parents.append(parent)
-            self.pieces.append(p.path[len(self.paths[parent]) :] if p.depth else p.path)
+            self.pieces.append(jax.tree_util.keystr((p.key,)) if p.parent >= 0 else p.path)
             self.paths.append(p.path)
             if p.kind == "array":
                 self.arrays[p.index].append(t)
@@ -217,8 +217,7 @@ class _Placing:
                 self.views.append(p.index)
             self.nodes[p.index].append(t)
             if p.first:  # a node whose children come next
-                del above[p.depth :]
-                above.append(t)
+                first[p.index] = t
         self.views.sort()
 
     def keys(self, t: int) -> tuple[str, ...]:

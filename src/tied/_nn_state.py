@@ -445,6 +445,9 @@ def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
     return jnp.einsum("...hqk,k...hd->...qhd", weights, values_all.astype(q.dtype))
 
 
+_TRAINING = jax.tree_util.GetAttrKey("training")
+
+
 def mode(model: Any, training: bool) -> Any:
     """The model with every ``training`` flag set: train mode (True) or eval mode (False).
 
@@ -480,28 +483,19 @@ def mode(model: Any, training: bool) -> Any:
     cells = gdef.state_nodes()
     edges = []
     changed = False
-    open_nodes: list[tuple[int, str]] = []  # the node entered at each depth: (index, path)
     root = None
-    for place in gdef.walk_places():
-        del open_nodes[place.depth :]
-        parent = open_nodes[-1] if open_nodes else None
+    for place in gdef.walk_places(paths=False):  # each place's container: Place.parent and key
+        parent = place.parent
         if place.kind == "static":
-            if (
-                parent is not None
-                and place.path == parent[1] + ".training"
-                and isinstance(place.value, bool)
-                and not cells[parent[0]]
-            ):
-                flagged[parent[0]] = True
+            if parent >= 0 and place.key == _TRAINING and isinstance(place.value, bool) and not cells[parent]:
+                flagged[parent] = True
                 changed |= place.value != training
                 statics[place.index] = training
         elif place.kind != "array":
-            if parent is None:
+            if parent < 0:
                 root = place.index
             else:
-                edges.append((parent[0], place.index))
-            if place.first:
-                open_nodes.append((place.index, place.path))
+                edges.append((parent, place.index))
     if root is None or not changed:
         return model
     grew = True

@@ -85,7 +85,7 @@ class Places:
             del open_nodes[place.depth :]
             if place.depth:
                 parent, parent_steps = open_nodes[place.depth - 1]
-                steps = parent_steps + (place.path[len(parent) :],)
+                steps = parent_steps + (jax.tree_util.keystr((place.key,)),)
             else:
                 steps = ()
             if place.path not in self.steps:
