@@ -174,20 +174,7 @@ def _from_pytree(model, place_values):
 _Dense, _Chain, _PDense, _PChain = host.HDense, host.HChain, host.PDense, host.PChain
 
 
-def _tied_roundtrip(model):
-    def f():
-        leaves, gdef = tied.flatten(model)
-        return tied.unflatten(gdef, leaves)
-
-    return f
-
-
-def _jax_roundtrip(tree):
-    def f():
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    return f
+_tied_roundtrip, _jax_roundtrip = host._tied_roundtrip, host._jax_roundtrip
 
 
 def scaling(sizes=(10, 100, 1_000, 10_000), rounds: int = 7) -> dict:

@@ -77,10 +77,10 @@ class Graph:
         self._made = True
         # A Graph made inside a transform from computed values whose ties are not tied's own
         # totals (plain jax.grad's aliased partials, say) must not pass them off as totals.
-        self._trusted = not any(
+        self._trusted = not any(isinstance(x, jax.core.Tracer) for x in self.leaves) or not any(
             isinstance(x, jax.core.Tracer) and len(paths) > 1 and not is_total(x)
             for x, paths in zip(self.leaves, self.graphdef.leaf_paths())
-        )
+        )  # the places are read only for a Graph made inside a transform
 
     @property
     def value(self) -> Any:
