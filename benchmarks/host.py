@@ -16,7 +16,12 @@ shared and noisy.
   compiles the plan (the second, or the `_plan.LARGE_PLAN_SIGHTINGS`-th for a graph over
   `_plan.MAX_PLAN_LINES` lines); ``warm``: after it.
 
+* **step_host**: flatten+unflatten of a step's arguments (model and Adam state) at 1,000 and
+  20,000 layers, against ``jax.tree_util`` on the tuples and optax's state: the host work of
+  a step at a size where XLA's compile of the step itself takes minutes.
+
     python -m benchmarks.host [--rounds 7] [--sizes 10,100,1000,10000] [--layers 30,300,1000]
+                              [--host-layers 1000,20000]
 """
 
 from __future__ import annotations
@@ -243,6 +248,34 @@ def scaling(sizes=(10, 100, 1_000, 10_000), rounds: int = 7) -> dict:
     return out
 
 
+def step_host(layers=(20_000,), rounds: int = 7) -> dict:
+    """The host work on a step's arguments at many layers, without XLA: flatten+unflatten of
+    (model, Adam state) as ``tied.jit`` does it (its plans), against ``jax.tree_util`` on the
+    same arrays as ``(w, b)`` tuples and optax's state. (The step itself is not timed at this
+    size: XLA takes some 20 s to compile it at 1,000 layers, and minutes at 20,000.)"""
+    out = {}
+    tx = optax.adam(1e-3)
+    for n in layers:
+        model = _chain(n)
+        state = optim.setup(tx, model)
+        params = [(d.weight, d.bias) for d in model.layers]
+        tied_rt, jax_rt = _tied_roundtrip((model, state)), _jax_roundtrip((params, tx.init(params)))
+        for _ in range(3):  # the plans compile on the second call
+            tied_rt()
+        jax_rt()
+        number = max(1, 20_000 // n)
+        times: dict[str, list[float]] = {"tied": [], "jax": []}
+        for _ in range(rounds):
+            times["tied"].append(timeit.timeit(tied_rt, number=number) / number)
+            times["jax"].append(timeit.timeit(jax_rt, number=number) / number)
+        out[n] = {
+            "tied_seconds": statistics.median(times["tied"]),
+            "jax_seconds": statistics.median(times["jax"]),
+            "ratio": _spread([a / b for a, b in zip(times["tied"], times["jax"])]),
+        }
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -274,8 +307,8 @@ def report(r: dict) -> list[str]:
             "## Host cost: flatten + unflatten, 10 to 100,000 modules (issue 19)",
             "",
             "| modules | tied (warm) | per module | jax.tree_util, registered classes | ratio (min-max) | "
-            "first call (walk) | compiling call | first / warm |",
-            "|---|---|---|---|---|---|---|---|",
+            "first call (walk) | compiling call | first / warm | compiling / warm |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for n, s in r["scaling"].items():
             ra = s["ratio"]
@@ -288,7 +321,23 @@ def report(r: dict) -> list[str]:
                     if s["planned"]
                     else "none (walked)"
                 )
-                + f" | {s['first_over_warm']:.1f}x |"
+                + f" | {s['first_over_warm']:.1f}x | "
+                + (f"{s['compile_seconds'] / s['tied_seconds']:.1f}x |" if s["planned"] else "|")
+            )
+        lines.append("")
+    if "step_host" in r:
+        lines += [
+            "## Host work on a step's arguments: model and Adam state, flatten + unflatten (issue 19)",
+            "",
+            "| layers | tied (its plans, as tied.jit runs them) "
+            "| jax.tree_util on (w, b) tuples and optax's state | ratio (min-max) |",
+            "|---|---|---|---|",
+        ]
+        for n, s in r["step_host"].items():
+            ra = s["ratio"]
+            lines.append(
+                f"| {int(n):,} | {s['tied_seconds'] * 1e3:.2f} ms | {s['jax_seconds'] * 1e3:.2f} ms | "
+                f"{ra['median']:.2f}x ({ra['min']:.2f}-{ra['max']:.2f}) |"
             )
         lines.append("")
     return lines
@@ -301,12 +350,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--sizes", default="10,100,1000,10000")
     parser.add_argument("--layers", default="30,300,1000")
+    parser.add_argument("--host-layers", default="1000,20000", help="host work on a step's arguments")
     args = parser.parse_args(argv)
     r: dict = {}
     if args.layers:
         r["steps"] = steps(tuple(int(s) for s in args.layers.split(",")), args.rounds)
     if args.sizes:
         r["scaling"] = scaling(tuple(int(s) for s in args.sizes.split(",")), args.rounds)
+    if args.host_layers:
+        r["step_host"] = step_host(tuple(int(s) for s in args.host_layers.split(",")), args.rounds)
     print("\n".join(report(r)))
     return r
 

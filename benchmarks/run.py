@@ -381,7 +381,10 @@ def main(argv=None) -> dict:
     layers = "30,300" if args.quick else "30,300,1000"
     sizes = "10,100,1000" if args.quick else "10,100,1000,10000,100000"
     rounds = "3" if args.quick else "7"
-    results["host"] = host.main(["--rounds", rounds, "--layers", layers, "--sizes", sizes])
+    host_layers = "1000" if args.quick else "1000,20000"
+    results["host"] = host.main(
+        ["--rounds", rounds, "--layers", layers, "--sizes", sizes, "--host-layers", host_layers]
+    )
     print("[checkpoint] tied.save/load against safetensors, 0.5 GiB model with a tie", flush=True)
     results["checkpoint"] = checkpoint.main(["--rounds", "3" if args.quick else "7"])
     print("[manager] tied.CheckpointManager: async save and a step beside it, 0.5 GiB model", flush=True)

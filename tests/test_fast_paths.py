@@ -215,12 +215,13 @@ def test_a_graph_over_the_plan_bound_gets_its_plan_after_enough_sightings(monkey
 
     @tied.register
     class Cell:
-        def __init__(self, w, b):
-            self.w, self.b, self.name = w, b, "cell"
+        def __init__(self, w, b, name):
+            self.w, self.b, self.name = w, b, name
 
     shared = jnp.zeros(2)
     weights = [jnp.full((2,), float(i)) for i in range(40)]
-    model = [Cell(w, shared) for w in weights]
+    # every cell's static differs, so no two share a layout: no loop, a line per place
+    model = [Cell(w, shared, f"cell{i}") for i, w in enumerate(weights)]
     for mod in (_graph, _plan):
         monkeypatch.setattr(mod, "MAX_PLAN_LINES", 50)
         monkeypatch.setattr(mod, "LARGE_PLAN_SIGHTINGS", 5)

@@ -35,6 +35,7 @@ from ._classify import (
     _cache_lock,
     _has_arrays,
     _kind,
+    _type_cache,
     _unknown_static,
     clear_caches,
     is_walkable_type,
@@ -280,23 +281,16 @@ def _arrays_in_static_data(x: Any) -> None:
     raise _WalkError(message)
 
 
-def _walk(tree: Any) -> tuple[list, GraphDef]:
-    """The plain walk, iterative (any depth): the one place where sharing is decided."""
-    leaves: list = []
-    records: list = []
-    statics: list = []
-    memo: dict[int, int] = {}
-    open_immutable: set[int] = set()
+def _enter(leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set):
+    """The walk's step into one object: ``enter(x)`` is the reference of ``x`` if it is
+    finished at once, else None (a frame was pushed on ``stack``)."""
     # Children made on the fly by a pytree's flatten are held here: once freed, their
     # ids could be reused by later objects and read as sharing through `memo`.
     alive: list = []
     kind_of = _kind
     get = memo.get
-    # A frame: [record index, kind, meta, children, next child, refs so far].
-    stack: list[list] = []
 
     def enter(x: Any) -> int | None:
-        """The reference of ``x`` if it is finished at once, else None (a frame was pushed)."""
         k = kind_of(x)
         if k is _ARRAY:
             r = get(id(x))
@@ -332,16 +326,50 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         stack.append([j, k, meta, children, 0, []])
         return None
 
+    return enter
+
+
+def _walk(tree: Any) -> tuple[list, GraphDef]:
+    """The plain walk, iterative (any depth): the one place where sharing is decided."""
+    leaves: list = []
+    records: list = []
+    statics: list = []
+    memo: dict[int, int] = {}
+    get = memo.get
+    # A frame: [record index, kind, meta, children, next child, refs so far].
+    stack: list[list] = []
+    open_immutable: set[int] = set()
+    enter = _enter(leaves, records, statics, memo, stack, open_immutable)
+    type_cache = _type_cache
     try:
         result = enter(tree)
         while stack:
             frame = stack[-1]
-            children, i = frame[3], frame[4]
-            if i < len(children):
-                frame[4] = i + 1
-                r = enter(children[i])
-                if r is not None:
-                    frame[5].append(r)
+            children, i, refs = frame[3], frame[4], frame[5]
+            n = len(children)
+            while i < n:  # arrays and statics of known types inline; the rest through enter
+                c = children[i]
+                i += 1
+                k = type_cache.get(type(c))
+                if k is _ARRAY:
+                    r = get(id(c))
+                    if r is None:
+                        r = 3 * len(leaves)
+                        memo[id(c)] = r
+                        leaves.append(c)
+                    refs.append(r)
+                elif k is _STATIC:
+                    statics.append(c)
+                    refs.append(3 * len(statics) - 1)
+                else:
+                    frame[4] = i  # a failure inside names this child's path
+                    r = enter(c)
+                    if r is None:
+                        break  # a node was entered: its frame is on top now
+                    refs.append(r)
+            else:
+                frame[4] = i
+            if stack[-1] is not frame:
                 continue
             stack.pop()
             j, k, meta, _, _, refs = frame
@@ -459,33 +487,30 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
 
 def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) -> Any:
     records = graphdef.records
-    built: list = [None] * len(records)
+    # One table indexed by reference (3q: leaf q, 3j+1: node j, 3q+2: static q), so that
+    # a node's children are fetched in one C-level map.
+    size = 3 * max(len(leaves), len(statics), len(records))
+    table: list = [None] * size
+    table[0 : 3 * len(leaves) : 3] = leaves
+    table[2 : 3 * len(statics) + 2 : 3] = statics
+    get = table.__getitem__
     mutable, post = rebuild_order(graphdef)
-
-    def value(r: int) -> Any:
-        q, m = divmod(r, 3)
-        if m == 0:
-            return leaves[q]
-        if m == 1:
-            return built[q]
-        return statics[q]
-
     for j in mutable:
         kind, meta, _ = records[j]
-        built[j] = KINDS[kind].shell(meta)
+        table[3 * j + 1] = KINDS[kind].shell(meta)
     for j in post:
         kind, meta, refs = records[j]
-        children = [value(r) for r in refs]
+        children = list(map(get, refs))
         if kind in _MUTABLE:
-            KINDS[kind].fill(meta, built[j], children)
+            KINDS[kind].fill(meta, table[3 * j + 1], children)
         elif materialize and KINDS[kind].materializes:
             try:
-                built[j] = KINDS[kind].materialize(meta, children)
+                table[3 * j + 1] = KINDS[kind].materialize(meta, children)
             except Exception as e:
                 raise view_failed(graphdef, j, meta, children[0], e) from e
         else:
-            built[j] = KINDS[kind].make(meta, children)
-    return value(graphdef.root)
+            table[3 * j + 1] = KINDS[kind].make(meta, children)
+    return table[graphdef.root]
 
 
 def _check_rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool, out: Any) -> None:

@@ -504,13 +504,21 @@ def rebuild_order(gdef: GraphDef) -> tuple:
     records = gdef.records
     mutable = tuple(j for j, rec in enumerate(records) if rec[0] in _MUTABLE)
     post: list[int] = []
-    open_nodes: list[int] = []  # by depth: the node whose children are being visited
-    for _, depth, r, first, _, _ in _traverse(gdef, paths=False):
-        while len(open_nodes) > depth:
-            post.append(open_nodes.pop())
-        if first and r % 3 == 1:
-            open_nodes.append(r // 3)
-    post.extend(reversed(open_nodes))
+    if gdef.root % 3 == 1:  # depth first over first places; a node is done after its children
+        seen = bytearray(len(records))
+        root = gdef.root // 3
+        seen[root] = 1
+        stack = [(root, iter(records[root][2]))]
+        while stack:
+            j, refs = stack[-1]
+            for r in refs:
+                if r % 3 == 1 and not seen[r // 3]:
+                    seen[r // 3] = 1
+                    stack.append((r // 3, iter(records[r // 3][2])))
+                    break
+            else:
+                stack.pop()
+                post.append(j)
     if len(post) != len(records):  # every record of a walk or an expansion is reachable
         raise GraphError(f"{gdef}: {len(records) - len(post)} node records unreachable from the root.")
     plan = (mutable, tuple(post))

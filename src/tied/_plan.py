@@ -28,8 +28,8 @@ through its own ``children``, ``make``, ``shell`` and ``fill``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
-import keyword
 import linecache
 import operator
 from collections.abc import Callable
@@ -51,6 +51,15 @@ from ._kinds import (
     VIEW,
     _pytree_def,
     _registry,
+)
+from ._loops import (
+    flatten_lines,
+    flatten_loop,
+    layout,
+    plain_attributes,
+    unflatten_lines,
+    unflatten_loop,
+    walk_order,
 )
 from ._strict import _same_strict, _strict
 from ._view import View
@@ -76,13 +85,14 @@ def plan_bound(sightings: int) -> int:
 
 
 def flatten_size(gdef: GraphDef) -> int:
-    """About how many lines a flatten plan of ``gdef`` has (a line or more per place)."""
-    return 1 + sum(len(rec[2]) for rec in gdef.records)
+    """About how many lines a flatten plan of ``gdef`` has (a line or more per place outside
+    loops, one loop body per run of identical layers: see `_loops`)."""
+    return flatten_lines(gdef)
 
 
 def unflatten_size(gdef: GraphDef) -> int:
     """About how many lines an unflatten plan of ``gdef`` has."""
-    return len(gdef.records) + gdef.num_leaves
+    return unflatten_lines(gdef)
 
 
 class _Miss(Exception):
@@ -111,6 +121,9 @@ def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
 
 def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
     """(parent node, child position, ref) for every place, in the walk's order."""
+    order = walk_order(gdef)
+    if order is not None:
+        return order
     return [(parent, i, r) for _, _, r, _, parent, i in _traverse(gdef, paths=False)]
 
 
@@ -161,14 +174,54 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
     objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
     str_dicts: list[str] = []  # dicts whose keys must all be exactly str
     bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+    lay = layout(gdef)
+    run_at = {(run.parent, run.start): run for runs in lay.runs.values() for run in runs}
+    # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
+    starts: list[int] = []
+    ends: list[int] = []
+    holders: list[str] = []
+    looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
+    element_slices: list[str] = []
+    skip = 0
+
+    def leaf(q: int) -> str:
+        k = bisect.bisect_right(starts, q) - 1
+        if k >= 0 and q < ends[k]:
+            return f"{holders[k]}[{q - starts[k]}]"
+        return f"l{q}"
+
+    def held(first: int, end: int, holder: str) -> None:
+        starts.append(first)
+        ends.append(end)
+        holders.append(holder)
+        seen_leaf.update(range(first, end))
 
     def tup(names: list[str]) -> str:
         return "(" + "".join(f"{x}, " for x in names) + ")"
 
+    if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
+        emit(" TN = []")
+        emit(" tn = TN.extend")
     for parent, i, r in order:
+        if skip:
+            skip -= 1
+            continue
         if parent in bulk:
             continue
         expr = "root" if parent < 0 else child_expr[parent][i]
+        run = run_at.get((parent, i))
+        if run is not None:  # a run of identical layers: one loop
+            k = len(holders)
+            body, per = flatten_loop(gdef, run, k, f"n{parent}", leaf, const)
+            lines.extend(body)
+            held(run.lo, run.lo + run.count * run.leaves, f"R{k}")
+            looped_nodes += per * run.count
+            if not run.leaves and not untracked(records[run.first]):  # no own array tells
+                # the elements apart: their identities, a slice of their sequence
+                element_slices.append(f"n{parent}[{run.start}:{run.start + run.count}]")
+                looped_nodes += run.count
+            skip = run.count * run.places - 1
+            continue
         q, m = divmod(r, 3)
         if m == 2:
             statics.append(f"s{q}")
@@ -177,7 +230,7 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
             continue
         if m == 0:
             if q in seen_leaf:
-                emit(f" if {expr} is not l{q}: raise M")
+                emit(f" if {expr} is not {leaf(q)}: raise M")
             else:
                 seen_leaf.add(q)
                 emit(f" l{q} = {expr}")
@@ -197,9 +250,12 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
             emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
             child_expr[q] = [f"{v}[{k}]" for k in range(n)]
             leaf_qs = [c // 3 for c in refs if c % 3 == 0]
-            if n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
+            if q in lay.bulk:  # arrays all seen here first: the sequence holds them
+                held(leaf_qs[0], leaf_qs[0] + n, v)
+                bulk.add(q)
+            elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
                 if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
-                    known = tup([f"l{c}" for c in leaf_qs])
+                    known = tup([leaf(c) for c in leaf_qs])
                     emit(f" if not all(map(is_, {v}, {known})): raise M")
                     bulk.add(q)
                 elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
@@ -213,6 +269,12 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
             # The keys in the model's insertion order (which the rebuilt dict keeps).
             emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
             child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
+            if q in lay.bulk:  # arrays all seen here first: read them in one statement
+                first = refs[0] // 3
+                read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
+                emit(f" RD{q} = {read}")
+                held(first, first + n, f"RD{q}")
+                bulk.add(q)
             if all(type(k) is str for k in keys):
                 if n:
                     str_dicts.append(v)  # equal exact-str keys: the same keys
@@ -278,17 +340,22 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
             bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
             checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
         emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
-    emit(f" out = [{', '.join(f'l{q}' for q in range(gdef.num_leaves))}]")
+    emit(f" out = [{', '.join(_segments(gdef.num_leaves, starts, ends, holders))}]")
     emit(" if not AT.issuperset(map(type, out)): raise M")
     emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
     # Distinct nodes stay distinct. Types are checked above, so objects of the two
     # groups cannot coincide; those hashed by identity go into a set as they are.
     by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
     by_id = [v for v, rec in tracked_nodes if not _identity_hashed(rec)]
-    if len(by_identity) > 1:
-        emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
-    if len(by_id) > 1:
-        emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
+    if looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
+        total = len(tracked_nodes) + looped_nodes
+        looped = ", ".join(["TN", *element_slices])
+        emit(f" if len(set(map(id, chain({tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+    else:
+        if len(by_identity) > 1:
+            emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
+        if len(by_id) > 1:
+            emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
     ns["FAIL"] = _FAIL
     if len(lines) > max_lines:
         return None
@@ -297,27 +364,24 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
     return _compile("\n".join(lines), "flatten", ns, "guarded")
 
 
+def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
+    """The items of the list of all ``n`` arrays: ``l{q}`` locals, ``*holder`` sequences."""
+    out: list[str] = []
+    q = 0
+    for first, end, holder in zip(starts, ends, holders):
+        out.extend(f"l{x}" for x in range(q, first))
+        out.append(f"*{holder}")
+        q = end
+    out.extend(f"l{x}" for x in range(q, n))
+    return out
+
+
 def _identity_hashed(record: tuple) -> bool:
     """An attribute-holding node whose class hashes and compares by identity."""
     if not KINDS[record[0]].fields_in_dict:
         return False
     cls = record[1][0]
     return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
-
-
-def _plain_attributes(cls: type, names: tuple) -> bool:
-    """Whether ``obj.name = value`` on a fresh instance only stores into its ``__dict__``:
-    no custom ``__setattr__`` (frozen dataclasses have one), no descriptor of that name."""
-    if getattr(cls, "__setattr__", None) is not object.__setattr__:
-        return False
-    for name in names:
-        if not (isinstance(name, str) and name.isidentifier()) or keyword.iskeyword(name):
-            return False
-        if name.startswith("__"):
-            return False
-        if hasattr(type(getattr(cls, name, None)), "__set__"):
-            return False
-    return True
 
 
 # A generated-code emitter (as `compile_flatten`): the constructor calls in build order.
@@ -334,15 +398,51 @@ def compile_unflatten(
     ns["VF"], ns["G"] = view_failed, gdef
     lines = ["def build(L, S):"]
     emit = lines.append
+    lay = layout(gdef)
+    looped = {
+        j
+        for runs in lay.runs.values()
+        for run in runs
+        for j in range(run.first, run.first + run.count * run.nodes)
+    }
+    counter = [0]
+
+    def const(value: Any, prefix: str) -> str:
+        name = f"{prefix}_{counter[0]}"
+        counter[0] += 1
+        ns[name] = value
+        return name
 
     def ref(r: int) -> str:
         q, m = divmod(r, 3)
         return ("L[{}]", "n{}", "S[{}]")[m].format(q)
 
-    def args(refs: tuple) -> str:
-        return "(" + "".join(f"{ref(r)}, " for r in refs) + ")"
+    def args(refs: tuple, j: int = -1) -> str:
+        """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
+        consecutive arrays as one slice of ``L``."""
+        items: list[str] = []
+        starts = {run.start: run for run in lay.runs.get(j, ())}
+        i = 0
+        while i < len(refs):
+            run = starts.get(i)
+            if run is not None:
+                items.append(f"*B{run.first}")
+                i += run.count
+                continue
+            r, e = refs[i], i + 1
+            if r % 3 == 0:
+                while e < len(refs) and refs[e] == refs[e - 1] + 3 and (j < 0 or e not in starts):
+                    e += 1
+            if e - i >= 4:
+                items.append(f"*L[{r // 3}:{r // 3 + e - i}]")
+            else:
+                items.extend(ref(x) for x in refs[i:e])
+            i = e
+        return "(" + "".join(f"{x}, " for x in items) + ")"
 
     for j in mutable:
+        if j in looped:
+            continue
         kind, meta, _ = records[j]
         if kind == LIST:
             emit(f" n{j} = []")
@@ -357,15 +457,18 @@ def compile_unflatten(
 
     def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
         if kind == LIST:
-            emit(f" n{j}.extend({args(refs)})")
+            emit(f" n{j}.extend({args(refs, j)})")
         elif kind == DICT:
             keys, order = meta
-            if order is not None:  # fill in the model's insertion order
+            if order is not None and j in lay.bulk:  # keys in the model's order, then values
+                ns[f"KI{j}"] = order
+                emit(f" n{j}.update(dict.fromkeys(KI{j}))")
+            elif order is not None:  # fill in the model's insertion order
                 position = {k: i for i, k in enumerate(keys)}
                 keys, refs = order, tuple(refs[position[k]] for k in order)
             ns[f"K{j}"] = keys
             emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
-        elif KINDS[kind].fields_in_dict and _plain_attributes(meta[0], meta[1]):
+        elif KINDS[kind].fields_in_dict and plain_attributes(meta[0], meta[1]):
             for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
                 emit(f" n{j}.{name} = {ref(r)}")
         elif KINDS[kind].fields_in_dict:
@@ -378,12 +481,16 @@ def compile_unflatten(
     # Children before parents: a mutable node is filled, an immutable one built, once
     # its children are complete (shells above stand in on a cycle).
     for j in post:
+        if j in looped:
+            continue
         kind, meta, refs = records[j]
+        for run in lay.runs.get(j, ()):  # runs of identical layers: one loop each
+            lines.extend(unflatten_loop(gdef, run, run.first, const))
         if kind in _MUTABLE:
             if refs:
                 fill(j, kind, meta, refs)
         elif kind == TUPLE:
-            emit(f" n{j} = {args(refs)}")
+            emit(f" n{j} = {args(refs, j)}")
         elif kind == NAMEDTUPLE:
             ns[f"T{j}"] = meta
             emit(f" n{j} = T{j}(*{args(refs)})")

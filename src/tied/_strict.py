@@ -26,6 +26,9 @@ def _strict(v: Any) -> Any:
     t = type(v)
     if t is str or t is int or v is None or t is bool:
         return (t, v)
+    how = _by_type.get(t)
+    if how is not None:  # a type met before that is compared by identity, or as it is
+        return (t, _Identity(v)) if how else (t, v)
     if t is float:
         return (t, _pack_d(v))
     if t is tuple or t is list:
@@ -41,10 +44,14 @@ def _strict(v: Any) -> Any:
     if t is frozenset:
         return (t, frozenset(map(_strict, v)))
     if t in _EXACT or isinstance(v, _EXACT_BASES):
+        _by_type[t] = False
         return (t, v)
     fields = _compared_fields(t)
     if fields is not None:
         return (t, tuple(_strict(getattr(v, name)) for name in fields))
+    # Every test above depends on the type alone; remembering the answer spares the
+    # isinstance calls, which are slow for objects that forward attribute reads.
+    _by_type[t] = True
     return (t, _Identity(v))
 
 
@@ -68,6 +75,8 @@ _EXACT = {bytes, type, range, slice, type(Ellipsis), np.dtype, types.FunctionTyp
 _EXACT_BASES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, np.dtype)
 
 _fields_cache: dict[type, Any] = {}
+# Types whose key is the value itself (False) or its identity (True), once met.
+_by_type: dict[type, bool] = {}
 
 
 def _compared_fields(t: type) -> tuple[str, ...] | None:

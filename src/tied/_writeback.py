@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten
-from ._live import lock, slots, write, write_plan
+from ._live import WritePlan, lock, slots, write, write_plan
 
 
 def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
@@ -124,6 +124,19 @@ def write_back(
     call), still holding the array the call was given there, so a model changed while the
     call ran (by another thread, or a callback inside it) is refused, never half-updated."""
     with lock:
+        plan = gdef._plans.get(("write", written, True))
+        if isinstance(plan, WritePlan) and inputs is not None:  # the plan's way: no slots made
+            if CHECK_PLANS:
+                try:
+                    slow = slots(root, gdef, written, action=action, frozen_ok=True)
+                except GraphError as e:
+                    raise GraphError(_argument_message(str(e))) from None
+                _check_places(plan.find(root), slow, gdef)
+            done = plan.write_unchanged(root, values, [inputs[q] for q in written])
+            if isinstance(done, str):
+                raise _changed_error(done, action)
+            if done:
+                return
         try:
             at = find_places(root, gdef, written, action=action, frozen_ok=True)
         except GraphError as e:
@@ -133,13 +146,17 @@ def write_back(
             for q, slots_q in zip(written, at):
                 for slot in slots_q:
                     if slot.get(cache) is not inputs[q]:
-                        raise GraphError(
-                            f"{place_name(slot.path)}: {action}: this place was changed while the "
-                            "call ran (another thread, or a callback inside the function, assigned "
-                            "to the model), so the new value has no place to go. Nothing was "
-                            "written. Change the model between calls, or under tied.live_lock."
-                        )
+                        raise _changed_error(slot.path, action)
         write(at, values)
+
+
+def _changed_error(path: str, action: str) -> GraphError:
+    return GraphError(
+        f"{place_name(path)}: {action}: this place was changed while the call ran (another "
+        "thread, or a callback inside the function, assigned to the model), so the new value "
+        "has no place to go. Nothing was written. Change the model between calls, or under "
+        "tied.live_lock."
+    )
 
 
 def _argument_message(message: str) -> str:
