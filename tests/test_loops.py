@@ -337,3 +337,90 @@ def test_per_place_gradients_of_one_block_at_six_places_with_loops(loops):
         assert set(got) == set(ref)
         for p, want in ref.items():
             np.testing.assert_allclose(got[p], want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- found by review, kept fixed
+
+
+def test_a_node_tie_is_not_read_as_an_array_tie_by_a_loop(loops):
+    # a layer whose own array also sits elsewhere (an array tie) must still have its identity
+    # checked: the same layer at both places reads that array at both, as the array tie does
+    layers = chain(8, seed=10)  # a shared bias: each layer's weight is its only own array
+    model = {"layers": layers, "z": Layer(layers[3].weight, layers[0].bias)}
+    agree(model)
+    model["z"] = layers[3]  # the layer itself at a second place
+    _, gdef = agree(model)
+    out = tied.unflatten(gdef, tied.flatten(model)[0])
+    assert out["z"] is out["layers"][3]
+    assert ("['layers'][3]", "['z']") in tied.ties(model)
+
+
+def test_a_node_tie_inside_pairs_of_one_array_is_noticed(loops):
+    pairs = []
+    for i in range(8):
+        a = jnp.full((2,), float(i))
+        pairs.append([Box(a, "x"), Box(a, "x")])  # two boxes holding one array
+    agree(pairs)
+    pairs[5][1] = pairs[5][0]  # now one box at two places
+    _, gdef = agree(pairs)
+    out = tied.unflatten(gdef, tied.flatten(pairs)[0])
+    assert out[5][1] is out[5][0] and out[4][1] is not out[4][0]
+
+
+def test_an_equinox_layer_tie_in_a_second_model_of_the_same_types():
+    import equinox as eqx
+
+    class Lin(eqx.Module):
+        w: jax.Array
+
+    def make(node_tie):
+        layers = [Lin(np.full((2,), float(i), np.float32)) for i in range(600)]  # over 1,000 places
+        return {"layers": layers, "z": layers[5] if node_tie else Lin(layers[5].w)}
+
+    agree(make(node_tie=False))
+    b = make(node_tie=True)
+    leaves, gdef = tied.flatten(b)
+    assert gdef == _graph._walk(b)[1]
+    out = tied.unflatten(gdef, leaves)
+    assert out["z"] is out["layers"][5]
+
+
+class Tag(str):
+    pass
+
+
+class _Holder:
+    def method(self):
+        return 1
+
+
+@pytest.mark.parametrize("with_loops", [True, False])
+@pytest.mark.parametrize(
+    "make", [lambda h: Tag("relu"), lambda h: h.method], ids=["str subclass", "bound method"]
+)
+def test_an_equal_static_of_identity_keyed_type_is_a_new_static(monkeypatch, with_loops, make):
+    # the GraphDef compares such statics by identity, so the plans must too
+    monkeypatch.setattr(_loops, "LOOP_PLACES", 0 if with_loops else 10**9)
+    _graph._clear_plans()
+    holder = _Holder()
+    model = chain(10, seed=11)
+    for layer in model:
+        layer.activation = make(holder)
+    agree(model)
+    model[5].activation = make(holder)  # == the old one, but another object
+    leaves, gdef = tied.flatten(model)
+    assert gdef == _graph._walk(model)[1]
+    assert tied.unflatten(gdef, leaves)[5].activation is model[5].activation
+    _graph._clear_plans()
+
+
+def test_deeply_nested_lists_are_not_compared_level_by_level(monkeypatch):
+    calls = []
+    element = _loops._element
+    monkeypatch.setattr(_loops, "_element", lambda *a: calls.append(1) or element(*a))
+    node: list = []
+    for _ in range(2000):
+        node = [np.zeros(1, np.float32), np.zeros(1, np.float32), "s", node]
+    leaves, gdef = tied.flatten(node)
+    assert _loops.layout(gdef).runs == {} and calls == []  # no run of four like subtrees anywhere
+    assert len(leaves) == 4000

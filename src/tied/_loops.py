@@ -27,14 +27,15 @@ import keyword
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ._graphdef import GraphDef, untracked
 from ._kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, TUPLE, _pytree_def
 from ._strict import _strict
 
 # Fewer elements than this are not worth a loop (straight lines are as short).
 LOOP_MIN = 4
+# An element of more records than this is not looped (a chain of nested lists would have
+# each level's whole subtree compared at every level above it).
+MAX_ELEMENT_RECORDS = 512
 # A graph of at most this many places is read and built in straight lines, which run some
 # 10 to 20% faster than loops; beyond, compiling them would cost more than it saves.
 LOOP_PLACES = 1000
@@ -43,8 +44,10 @@ BULK_MIN = 8
 _OBJECTS = frozenset(k.index for k in KINDS if k.fields_in_dict)
 _BODY_KINDS = frozenset({LIST, DICT, TUPLE, NAMEDTUPLE, PYTREE}) | _OBJECTS
 _LOOP_BUG = "tied: an unflatten plan's loop built a wrong number of layers (a bug in tied; please report it)"
-# Statics whose == is not exact (-0.0 == 0.0, 1 == 1.0 inside a tuple): compared by bits.
-_AMBIGUOUS = (float, complex, tuple, np.generic)
+# Statics whose == is exact: the same type and == mean the same value. Any other static that
+# is not the very object recorded is compared by its strict key (type and bits; identity
+# for the objects whose == is not trusted), as GraphDefs compare.
+EXACT_EQ = frozenset({str, int, bool, type(None)})
 
 
 class Run(NamedTuple):
@@ -60,6 +63,7 @@ class Run(NamedTuple):
     slo: int  # the first static of the run
     statics: int  # statics per element
     places: int  # places per element, its own included
+    unique: tuple  # per array of its own (in order): whether it has no other place in the graph
 
 
 class Layout(NamedTuple):
@@ -109,6 +113,7 @@ class _Extents(NamedTuple):
     start: list  # node -> (its first place, leaves and statics seen before it)
     end: list  # node -> (places, records, leaves, statics seen when the walk leaves it)
     refcount: list  # node -> its places
+    leaf_places: list  # array -> its places
     bulk: frozenset
     order: list  # (parent, position, reference) for every place, in the walk's order
 
@@ -124,6 +129,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
     start: list = [None] * n
     end: list = [None] * n
     refcount = [0] * n
+    leaf_places = [0] * gdef.num_leaves
     all_new = [True] * n  # every child an array seen there first
     order: list = [(-1, 0, gdef.root)]
     leaves = statics = nodes = 0
@@ -148,6 +154,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
         p += 1
         x, m = divmod(r, 3)
         if m == 0:
+            leaf_places[x] += 1
             if seen_leaf[x]:
                 all_new[j] = False
             elif x != leaves:
@@ -176,7 +183,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
         for j, (k, _, refs) in enumerate(gdef.records)
         if all_new[j] and k in kinds and len(refs) >= BULK_MIN
     )
-    return _Extents(start, end, refcount, bulk, order)
+    return _Extents(start, end, refcount, leaf_places, bulk, order)
 
 
 def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
@@ -186,9 +193,13 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
         return None
     p0, lo, slo = ext.start[j]
     p1, ne, hi, shi = ext.end[j]
+    if ne - j > MAX_ELEMENT_RECORDS:
+        return None
     records, strict_records, strict_statics = gdef.records, key[2], key[3]
     inside = outside_places = 0
-    sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0)]
+    # Which of its own arrays have no other place in the whole graph (see flatten_loop).
+    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
     for jj in range(j, ne):
         kind, _, refs = records[jj]
         if kind not in _BODY_KINDS:
@@ -231,8 +242,9 @@ def _find(gdef: GraphDef) -> Layout:
         found: list[Run] = []
         members: list[int] = []
         prev = None
+        worth = _worth_comparing(ext, refs)
         for i, r in enumerate((*refs, None)):
-            sig = _element(gdef, ext, r // 3, key) if r is not None and r % 3 == 1 else None
+            sig = _element(gdef, ext, r // 3, key) if i in worth else None
             if sig is not None and sig == prev:
                 members.append(i)
                 continue
@@ -248,17 +260,42 @@ def _find(gdef: GraphDef) -> Layout:
     return Layout(runs, ext.bulk, places, *looped)
 
 
+def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
+    """The positions of children that sit in a run of at least `LOOP_MIN` nodes first met
+    there whose subtrees have the same sizes: only those are compared in full."""
+    sizes = []
+    for r in refs:
+        j = r // 3
+        if r % 3 != 1 or ext.refcount[j] != 1 or ext.start[j] is None:
+            sizes.append(None)
+            continue
+        p0, lo, slo = ext.start[j]
+        p1, ne, hi, shi = ext.end[j]
+        sizes.append((ne - j, hi - lo, shi - slo, p1 - p0))
+    out: set[int] = set()
+    i = 0
+    while i < len(sizes):
+        e = i + 1
+        while e < len(sizes) and sizes[i] is not None and sizes[e] == sizes[i]:
+            e += 1
+        if sizes[i] is not None and e - i >= LOOP_MIN:
+            out.update(range(i, e))
+        i = e
+    return out
+
+
 def _run(ext: _Extents, parent: int, members: list[int], refs: tuple) -> Run:
     j = refs[members[0]] // 3
     p0, lo, slo = ext.start[j]
     p1, ne, hi, shi = ext.end[j]
-    return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0)
+    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
 
 
 def static_check(s: str, value: Any, const: Callable[[Any, str], str]) -> str:
     """A condition, true when the static read into ``s`` differs from ``value`` (type and bits)."""
     sv, st = const(value, "SV"), const(type(value), "ST")
-    if isinstance(value, _AMBIGUOUS):
+    if type(value) not in EXACT_EQ:
         return f"{s} is not {sv} and (type({s}) is not {st} or STRICT({s}) != {const(_strict(value), 'BV')})"
     return f"{s} is not {sv} and (type({s}) is not {st} or {s} != {sv})"
 
@@ -281,10 +318,16 @@ def plain_attributes(cls: type, names: tuple) -> bool:
 # A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
 def flatten_loop(
     gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
-) -> tuple[list[str], int]:
+) -> tuple[list[str], int, bool]:
     """Lines reading the elements of ``run`` (the list or tuple in local ``seq``) into ``R{k}``
     (the arrays first seen in them, in walk order), and the nodes inside each element whose
-    identity must be checked into ``TN`` (the lines, and how many such nodes per element)."""
+    identity must be checked into ``TN``: the lines, how many such nodes per element, and
+    whether the elements themselves must have their identities checked.
+
+    A node holding (below it, in the element) an array of its own that has no other place in
+    the graph needs no identity check: were it another place's object, that array would be
+    read at two places, and the plan reads it as new at one of them, so the arrays' distinct
+    check fails. A node without one is checked by identity."""
     records = gdef.records
     j0, lo, hi = run.first, run.lo, run.lo + run.leaves
     lines = [f" R{k} = []", f" rx{k} = R{k}.extend", f" ra{k} = R{k}.append"]
@@ -343,8 +386,10 @@ def flatten_loop(
         return values
 
     # The walk's order, depth first, so that arrays are collected in the order it numbers them.
-    # A frame: [children's expressions, refs, next child, local, holds an own array, record].
+    # A frame: [children's expressions, refs, next child, local, holds an own array that has
+    # no other place in the graph, record].
     stack: list[list] = [[enter(j0, "x_"), records[j0][2], 0, "x_", False, j0]]
+    top = stack[0]
     while stack:
         frame = stack[-1]
         exprs, refs, i = frame[:3]
@@ -375,7 +420,8 @@ def flatten_loop(
             else:
                 bound[x] = e
                 new.append(e)
-            frame[4] = True
+            if run.unique[x - lo]:
+                frame[4] = True
         elif m == 0:
             emit(f"if {e} is not {leaf(x)}: raise M")
         elif not j0 <= x < j0 + run.nodes:
@@ -392,7 +438,7 @@ def flatten_loop(
         emit(f"rx{k}(({''.join(f'{e}, ' for e in new)}))")
     if tracked:
         emit(f"tn(({''.join(f'{e}, ' for e in tracked)}))")
-    return lines, len(tracked)
+    return lines, len(tracked), not top[4]
 
 
 # A generated-code emitter (as `_plan.compile_unflatten`): one element's construction, per kind.

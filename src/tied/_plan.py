@@ -35,8 +35,6 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ._classify import _STATIC, _array_types, _type_cache
 from ._graphdef import GraphDef, _traverse, rebuild_order, untracked, view_failed
 from ._kinds import (
@@ -53,6 +51,7 @@ from ._kinds import (
     _registry,
 )
 from ._loops import (
+    EXACT_EQ,
     flatten_lines,
     flatten_loop,
     layout,
@@ -212,12 +211,12 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
         run = run_at.get((parent, i))
         if run is not None:  # a run of identical layers: one loop
             k = len(holders)
-            body, per = flatten_loop(gdef, run, k, f"n{parent}", leaf, const)
+            body, per, check_elements = flatten_loop(gdef, run, k, f"n{parent}", leaf, const)
             lines.extend(body)
             held(run.lo, run.lo + run.count * run.leaves, f"R{k}")
             looped_nodes += per * run.count
-            if not run.leaves and not untracked(records[run.first]):  # no own array tells
-                # the elements apart: their identities, a slice of their sequence
+            if check_elements and not untracked(records[run.first]):  # no unique array of
+                # their own tells the elements apart: their identities, a slice of the sequence
                 element_slices.append(f"n{parent}[{run.start}:{run.start + run.count}]")
                 looped_nodes += run.count
             skip = run.count * run.places - 1
@@ -326,12 +325,12 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
         values = const(tuple(static_values), "SV")
         emit(f" sv = {tup(statics)}")
         # An identical object is the same static; anything else must match in type, and in
-        # value: by == where == is exact (str, int, None, functions...), by bits where it is
-        # not (floats and complex numbers: -0.0 == 0.0; tuples holding them; numpy scalars).
+        # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
+        # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
+        # compares by identity: a str subclass, a bound method made anew, a user's class).
         types = const(tuple(type(x) for x in static_values), "ST")
-        ambiguous = (float, complex, tuple, np.generic)
-        bits = [k for k, x in enumerate(static_values) if isinstance(x, ambiguous)]
-        plain = [k for k in range(len(static_values)) if k not in set(bits)]
+        plain = [k for k, x in enumerate(static_values) if type(x) in EXACT_EQ]
+        bits = [k for k in range(len(static_values)) if k not in set(plain)]
         checks = [f"tuple(map(type, sv)) != {types}"]
         if plain:
             pv = const(tuple(static_values[k] for k in plain), "PV")
