@@ -90,7 +90,9 @@ def time_steps(workload: W.Workload, rounds: int, budget_s: float) -> dict:
     # The ratio of each round to pure JAX's time in the same round, then the median over
     # rounds: a slow spell of the machine hits both sides of a ratio.
     base = times["pure JAX"]
-    ratio = {name: statistics.median(t / b for t, b in zip(ts, base)) for name, ts in times.items()}
+    per_round = {name: [t / b for t, b in zip(ts, base)] for name, ts in times.items()}
+    ratio = {name: statistics.median(r) for name, r in per_round.items()}
+    spread = {name: (min(r), max(r)) for name, r in per_round.items()}
     reference = agree["pure JAX"]
     same = {name: bool(np.allclose(v, reference, rtol=1e-4)) for name, v in agree.items()}
     return {
@@ -100,6 +102,7 @@ def time_steps(workload: W.Workload, rounds: int, budget_s: float) -> dict:
         "rounds": rounds,
         "seconds": median,
         "ratio": ratio,
+        "spread": spread,
         "skipped": skipped,
     }
 
@@ -249,7 +252,17 @@ def machine() -> dict:
     }
 
 
-TARGETS = {"albert_mlp": 1.10, "deep_unshared": 1.10, "tied_lm": 1.03}
+# Issue 19's targets for tied.jit's step (a median within 5% of its target counts as met only
+# if the spread of the rounds says so too: its largest round at most the target).
+TARGETS = {"albert_mlp": 1.05, "deep_unshared": 1.05, "tied_lm": 1.02}
+
+
+def verdict(median: float, largest: float, target: float) -> str:
+    if median > target:
+        return "missed"
+    if median > target / 1.05 and largest > target:
+        return "median under, spread over"
+    return "met"
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -261,7 +274,10 @@ def write_markdown(results: dict, path: Path) -> None:
     lines.append("")
     lines.append("## Step time, as a ratio to the hand-written pure-JAX step")
     lines.append("")
-    lines.append("Median over interleaved rounds of each round's ratio to pure JAX in the same round.")
+    lines.append(
+        "Median over interleaved rounds of each round's ratio to pure JAX in the same round; "
+        "tied.jit's smallest and largest round in brackets."
+    )
     lines.append("")
     steps = results["steps"]
     systems = list(W.SYSTEMS)
@@ -271,14 +287,19 @@ def write_markdown(results: dict, path: Path) -> None:
         cells = []
         for s in systems:
             if s in r["ratio"]:
-                cells.append(f"{r['ratio'][s]:.2f}x")
+                cell = f"{r['ratio'][s]:.2f}x"
+                if s == "tied.jit" and "spread" in r:
+                    low, high = r["spread"][s]
+                    cell += f" ({low:.2f}-{high:.2f})"
+                cells.append(cell)
             else:
                 cells.append("n/a")
         base = r["seconds"]["pure JAX"] * 1e3
         target = TARGETS[wname]
-        verdict = "met" if r["ratio"]["tied.jit"] <= target else "missed"
+        high = r["spread"]["tied.jit"][1] if "spread" in r else r["ratio"]["tied.jit"]
+        said = verdict(r["ratio"]["tied.jit"], high, target)
         row = f"| {wname} | {base:.3f} ms | " + " | ".join(cells)
-        lines.append(row + f" | <= {target:.2f}x ({verdict}) |")
+        lines.append(row + f" | <= {target:.2f}x ({said}) |")
     lines.append("")
     for wname, r in steps.items():
         if r["skipped"]:

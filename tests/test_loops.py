@@ -424,3 +424,47 @@ def test_deeply_nested_lists_are_not_compared_level_by_level(monkeypatch):
     leaves, gdef = tied.flatten(node)
     assert _loops.layout(gdef).runs == {} and calls == []  # no run of four like subtrees anywhere
     assert len(leaves) == 4000
+
+
+class _WithAttrs(tuple):
+    pass
+
+
+def _tagged(items, tag):
+    t = _WithAttrs(items)
+    t.tag = tag
+    return t
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (np.datetime64(1, "D"), np.datetime64(1, "s")),  # the same bytes, another unit
+        (np.timedelta64(5, "ms"), np.timedelta64(5, "h")),
+        (range(0, 3, 2), range(0, 4, 2)),  # == each other
+        (range(0), range(5, 5)),
+        (slice(0, 1), slice(0.0, 1)),
+        (np.dtype("f4"), np.dtype("f4", metadata={"k": 1})),
+        (_tagged((1, 2), "a"), _tagged((1, 2), "b")),  # a tuple subclass with attributes
+    ],
+    ids=[
+        "datetime64 unit",
+        "timedelta64 unit",
+        "range",
+        "empty range",
+        "slice",
+        "dtype metadata",
+        "tuple attrs",
+    ],
+)
+def test_statics_equal_by_eq_but_rebuilt_differently_are_different_statics(first, second):
+    # found by review: the plans and the GraphDef took these for the same static, and the
+    # rebuild put the first model's value into the second
+    w = jnp.ones(2)
+    m1, m2 = Box(w, first), Box(w, second)
+    for _ in range(3):
+        tied.flatten(m1)
+    leaves, gdef = tied.flatten(m2)
+    assert gdef != _graph._walk(m1)[1]
+    rebuilt = tied.unflatten(gdef, leaves).b
+    assert rebuilt is second

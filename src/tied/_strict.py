@@ -35,23 +35,32 @@ def _strict(v: Any) -> Any:
         return (t, tuple(map(_strict, v)))
     if t is complex:
         return (t, _pack_d(v.real), _pack_d(v.imag))
-    if isinstance(v, np.generic):
-        return (t, v.tobytes())
+    if isinstance(v, np.generic):  # the dtype too: datetime64(1, "D") and (1, "s") share bytes
+        return (t, v.dtype.str, v.tobytes())
     if t is dict:
         return (t, tuple((_strict(k), _strict(x)) for k, x in v.items()))
-    if isinstance(v, tuple) and t.__eq__ is tuple.__eq__:  # a namedtuple: compared as a tuple
-        return (t, tuple(map(_strict, v)))
+    if isinstance(v, tuple) and t.__eq__ is tuple.__eq__ and not getattr(v, "__dict__", None):
+        return (t, tuple(map(_strict, v)))  # a namedtuple (no attributes of its own): as a tuple
+    if t is range:  # range(0) == range(5, 5), but they rebuild differently
+        return (t, v.start, v.stop, v.step)
+    if t is slice:  # slice(0.0, 1) == slice(0, 1)
+        return (t, _strict(v.start), _strict(v.stop), _strict(v.step))
+    if t is np.dtype:  # == ignores metadata and compares structured dtypes by layout
+        return (t, v.str, v.descr, repr(v.metadata))
     if t is frozenset:
         return (t, frozenset(map(_strict, v)))
     if t in _EXACT or isinstance(v, _EXACT_BASES):
-        _by_type[t] = False
+        if v.__class__ is t:
+            _by_type[t] = False
         return (t, v)
     fields = _compared_fields(t)
     if fields is not None:
         return (t, tuple(_strict(getattr(v, name)) for name in fields))
-    # Every test above depends on the type alone; remembering the answer spares the
-    # isinstance calls, which are slow for objects that forward attribute reads.
-    _by_type[t] = True
+    # Every test above depends on the type alone (unless the object says it is of another
+    # class: a proxy); remembering the answer spares the isinstance calls, which are slow for
+    # objects that forward attribute reads.
+    if v.__class__ is t:
+        _by_type[t] = True
     return (t, _Identity(v))
 
 
@@ -71,8 +80,8 @@ class _Identity:
 
 
 # Types whose `==` is identity or exact value equality of things already strict.
-_EXACT = {bytes, type, range, slice, type(Ellipsis), np.dtype, types.FunctionType, types.BuiltinFunctionType}
-_EXACT_BASES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType, np.dtype)
+_EXACT = {bytes, type, type(Ellipsis), types.FunctionType, types.BuiltinFunctionType}
+_EXACT_BASES = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
 
 _fields_cache: dict[type, Any] = {}
 # Types whose key is the value itself (False) or its identity (True), once met.
