@@ -118,6 +118,19 @@ def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
     return out
 
 
+def _constants(ns: dict, sep: str = "") -> Callable[[Any, str], str]:
+    """A namer of constants for generated code: ``const(value, prefix)`` binds ``value`` in
+    ``ns`` under a fresh name (the prefix, ``sep``, a count) and returns that name."""
+    count = itertools.count()
+
+    def const(value: Any, prefix: str) -> str:
+        name = f"{prefix}{sep}{next(count)}"
+        ns[name] = value
+        return name
+
+    return const
+
+
 def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
     """(parent node, child position, ref) for every place, in the walk's order."""
     order = walk_order(gdef)
@@ -155,13 +168,7 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
     ns["STR"] = frozenset((str,))
     lines = ["def plan(root):"]
     emit = lines.append
-    counter = [0]
-
-    def const(value: Any, prefix: str) -> str:
-        name = f"{prefix}{counter[0]}"
-        counter[0] += 1
-        ns[name] = value
-        return name
+    const = _constants(ns)
 
     # Expression yielding child i of node q, once node q sits in local n{q}.
     child_expr: dict[int, list[str]] = {}
@@ -404,13 +411,7 @@ def compile_unflatten(
         for run in runs
         for j in range(run.first, run.first + run.count * run.nodes)
     }
-    counter = [0]
-
-    def const(value: Any, prefix: str) -> str:
-        name = f"{prefix}_{counter[0]}"
-        counter[0] += 1
-        ns[name] = value
-        return name
+    const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
 
     def ref(r: int) -> str:
         q, m = divmod(r, 3)
