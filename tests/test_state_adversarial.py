@@ -1022,3 +1022,56 @@ def test_nnx_shared_batchnorm_and_linear_trained_in_place_match_nnx_optimizer():
     np.testing.assert_allclose(m.bn.var[...], ref.bn.var[...], rtol=1e-5)
     np.testing.assert_allclose(m.lin.kernel[...], ref.lin.kernel[...], rtol=1e-5, atol=1e-6)
     assert int(m.do.rngs.count[...]) == int(ref.do.rngs.count[...]) == 6
+
+
+# ---------------------------------------------------------------- found by review: a look-alike during a call
+
+
+@tied.register
+class _CellLin:
+    def __init__(self, w, s):
+        self.w, self.s = w, s
+
+    def __call__(self, x):
+        self.s.value = self.s.value + 1.0
+        return x @ self.w + self.s.value
+
+
+@tied.register
+class _TwoCells:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_a_shared_cell_replaced_by_a_look_alike_during_the_call_is_refused(which):
+    # a host callback replaces one place of a shared cell with a new cell holding the same
+    # array: writing the new value into the old cell alone would cut the tie, silently
+    cell = tied.State(jnp.zeros(()))
+    m = _TwoCells(_CellLin(jnp.eye(2), cell), _CellLin(2 * jnp.eye(2), cell))
+    armed = {"on": False}
+
+    def callback(_):
+        if armed["on"]:
+            layer = getattr(m, which)
+            layer.s = tied.State(layer.s.value)
+
+    def f(model, x):
+        y = model.b(jnp.tanh(model.a(x))).sum()
+        jax.debug.callback(callback, y)
+        return y
+
+    step = tied.jit(f)
+    x = jnp.array([[0.3, -0.7]])
+    step(m, x)
+    step(m, x)  # the write plan exists: the next call takes its way
+    np.testing.assert_allclose(cell.value, 4.0)  # two increments a call, twice
+    armed["on"] = True
+    with pytest.raises(
+        tied.GraphError, match=r"args\[0\]\.b\.s: the sharing changed there.*while the call ran"
+    ):
+        step(m, x)
+        jax.effects_barrier()
+    # nothing written: both cells keep the value from before the call
+    np.testing.assert_allclose(m.a.s.value, 4.0)
+    np.testing.assert_allclose(m.b.s.value, 4.0)

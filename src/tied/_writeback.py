@@ -9,11 +9,12 @@ back stays usable. Core layer: it reads GraphDefs by name only.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
 
-from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten
+from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
 from ._live import WritePlan, lock, slots, write, write_plan
 
 
@@ -67,8 +68,10 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
     for p, q in zip(a, b):
         if p.path != q.path:
             return f"{name(min(p.path, q.path))}: a place was added or removed there"
-        if p.kind != q.kind or p.type is not q.type:
+        if p.kind != q.kind:
             return f"{name(p.path)}: a {p.kind} became a {q.kind}"
+        if p.type is not q.type:
+            return f"{name(p.path)}: a {p.type.__name__} became a {q.type.__name__}"
         if p.first != q.first or p.index != q.index:
             return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
         if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
@@ -124,6 +127,8 @@ def write_back(
     call), still holding the array the call was given there, so a model changed while the
     call ran (by another thread, or a callback inside it) is refused, never half-updated."""
     with lock:
+        if inputs is not None:
+            _unchanged_since_the_call(root, gdef, inputs, written, action)
         plan = gdef._plans.get(("write", written, True))
         if isinstance(plan, WritePlan) and inputs is not None:  # the plan's way: no slots made
             if CHECK_PLANS:
@@ -148,6 +153,24 @@ def write_back(
                     if slot.get(cache) is not inputs[q]:
                         raise _changed_error(slot.path, action)
         write(at, values)
+
+
+def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: tuple, action: str) -> None:
+    """Refuse, before anything is written, a model whose structure or arrays changed while
+    the call ran (a host callback inside it, another thread without the lock): written into,
+    a shared node replaced at one of its places by a look-alike would be cut from its tie."""
+    now, now_gdef = flatten(root)  # a plan's work: the structure is the one just flattened
+    if now_gdef is not gdef and now_gdef != gdef:
+        raise GraphError(
+            f"{first_difference(gdef, now_gdef)}. {action}: the arguments' structure changed while "
+            "the call ran (another thread, or a callback inside the function, assigned to the "
+            "model), so its new values have no sure place to go. Nothing was written. Change the "
+            "model between calls, or under tied.live_lock."
+        )
+    if len(now) != len(inputs) or any(map(operator.is_not, now, inputs)):
+        changed = [k for k, (a, b) in enumerate(zip(now, inputs)) if a is not b]
+        q = next((k for k in written if k in set(changed)), changed[0])  # a written place first
+        raise _changed_error(place_paths(gdef).leaves[q][0], action)
 
 
 def _changed_error(path: str, action: str) -> GraphError:
