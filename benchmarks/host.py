@@ -55,7 +55,7 @@ def interleaved(runs: dict, rounds: int, number: int) -> dict:
             t = time.perf_counter()
             for _ in range(number):
                 v = f()
-            jax.block_until_ready(v)
+            tied.block_until_ready(v)  # a model too
             times[k].append((time.perf_counter() - t) / number)
     ref = names[-1]
     out = {"seconds": {k: statistics.median(v) for k, v in times.items()}}
@@ -266,15 +266,11 @@ def step_host(layers=(20_000,), rounds: int = 7) -> dict:
         for _ in range(3):  # the plans compile on the second call
             tied_rt()
         jax_rt()
-        number = max(1, 20_000 // n)
-        times: dict[str, list[float]] = {"tied": [], "jax": []}
-        for _ in range(rounds):
-            times["tied"].append(timeit.timeit(tied_rt, number=number) / number)
-            times["jax"].append(timeit.timeit(jax_rt, number=number) / number)
+        r = interleaved({"tied": tied_rt, "jax": jax_rt}, rounds, max(1, 20_000 // n))
         out[n] = {
-            "tied_seconds": statistics.median(times["tied"]),
-            "jax_seconds": statistics.median(times["jax"]),
-            "ratio": _spread([a / b for a, b in zip(times["tied"], times["jax"])]),
+            "tied_seconds": r["seconds"]["tied"],
+            "jax_seconds": r["seconds"]["jax"],
+            "ratio": r["ratio"]["tied"],
         }
     return out
 

@@ -296,9 +296,8 @@ class WritePlan:
         self.places = places  # (n, container's entry in nodes, position, path)
         self.n = n
 
-    def _resolve(self, model: Any) -> tuple[list, list, list] | None:
-        """Each node on the way in ``model``, its meta and its children, or None at the first
-        difference."""
+    def _resolve(self, model: Any) -> tuple[list, list] | None:
+        """Each node on the way in ``model`` and its meta, or None at the first difference."""
         n = len(self.nodes)
         objs: list = [None] * n
         kids: list = [None] * n
@@ -314,14 +313,14 @@ class WritePlan:
                 objs[k], kids[k], metas[k] = obj, children, m
         except Exception:  # a container that cannot be read as it was: not this plan's model
             return None
-        return objs, metas, kids
+        return objs, metas
 
     def find(self, model: Any) -> list[list[Slot]] | None:
         """The slots in ``model``, or None if ``model`` differs anywhere on the way."""
         found = self._resolve(model)
         if found is None:
             return None
-        objs, metas, _ = found
+        objs, metas = found
         out: list[list[Slot]] = [[] for _ in range(self.n)]
         nodes = self.nodes
         for w, k, i, path in self.places:
@@ -332,21 +331,10 @@ class WritePlan:
         """Put ``values[n]`` at every place of the n-th array in ``model`` (what `write` does
         with the slots of `find`, without making them); False, with nothing written, if
         ``model`` differs anywhere on the way."""
-        return self.write_unchanged(model, values, None) is True
-
-    def write_unchanged(self, model: Any, values: Sequence[Any], expected: Sequence[Any] | None) -> Any:
-        """`write`, first checking that every place holds ``expected[n]`` (what the n-th array
-        was when the call began): True once written; the path of the first place that holds
-        something else (nothing written); False if ``model`` differs on the way (nothing
-        written: the caller then takes `slots`' way)."""
         found = self._resolve(model)
         if found is None:
             return False
-        objs, metas, kids = found
-        if expected is not None:
-            for w, k, i, path in self.places:
-                if kids[k][i] is not expected[w]:
-                    return path
+        objs, metas = found
         nodes = self.nodes
         for w, k, i, _ in self.places:
             nodes[k][2].setter(metas[k], objs[k], i)(values[w])

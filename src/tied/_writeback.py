@@ -124,35 +124,26 @@ def write_back(
     one write per unique container, under `tied.live_lock`. Every place is found (by the
     `WritePlan` kept on ``gdef`` for these leaves, else by `slots`) and checked before
     anything is written: writable, and, given ``inputs`` (the leaves flattened before the
-    call), still holding the array the call was given there, so a model changed while the
-    call ran (by another thread, or a callback inside it) is refused, never half-updated."""
+    call), the arguments still of the structure and arrays the call was given, so a model
+    changed while the call ran (by another thread, or a callback inside it) is refused,
+    never half-updated."""
     with lock:
-        if inputs is not None:
+        if inputs is not None:  # every place still holds what the call was given, or nothing
             _unchanged_since_the_call(root, gdef, inputs, written, action)
         plan = gdef._plans.get(("write", written, True))
-        if isinstance(plan, WritePlan) and inputs is not None:  # the plan's way: no slots made
-            if CHECK_PLANS:
-                try:
-                    slow = slots(root, gdef, written, action=action, frozen_ok=True)
-                except GraphError as e:
-                    raise GraphError(_argument_message(str(e))) from None
-                _check_places(plan.find(root), slow, gdef)
-            done = plan.write_unchanged(root, values, [inputs[q] for q in written])
-            if isinstance(done, str):
-                raise _changed_error(done, action)
-            if done:
+        if isinstance(plan, WritePlan):  # the plan's way: no slots made
+            if CHECK_PLANS:  # the plan's places compared with slots'
+                _find(root, gdef, written, action)
+            if plan.write(root, values):
                 return
-        try:
-            at = find_places(root, gdef, written, action=action, frozen_ok=True)
-        except GraphError as e:
-            raise GraphError(_argument_message(str(e))) from None
-        if inputs is not None:
-            cache: dict = {}
-            for q, slots_q in zip(written, at):
-                for slot in slots_q:
-                    if slot.get(cache) is not inputs[q]:
-                        raise _changed_error(slot.path, action)
-        write(at, values)
+        write(_find(root, gdef, written, action), values)
+
+
+def _find(root: Any, gdef: GraphDef, written: tuple, action: str) -> list:
+    try:
+        return find_places(root, gdef, written, action=action, frozen_ok=True)
+    except GraphError as e:
+        raise GraphError(_argument_message(str(e))) from None
 
 
 def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: tuple, action: str) -> None:
