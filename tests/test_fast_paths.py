@@ -264,3 +264,139 @@ def test_write_plan_write_gives_up_before_writing_anything():
     assert other.layers[0].mean.value is kept[0] and other.layers[1]["b"].mean.value is kept[1]
     assert plan.write(net, [jnp.ones(3), 2 * jnp.ones(3)]) is True
     assert float(net.layers[0].mean.value[0]) == 1.0 and float(net.layers[1]["a"].mean.value[0]) == 2.0
+
+
+# ---------------------------------------------------------------- the compiled write-back
+
+
+@tied.register
+class _Lin:
+    """A parameter and a call counter (State)."""
+
+    def __init__(self, w):
+        self.w = w
+        self.calls = tied.State(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.calls.value = self.calls.value + 1
+        return jnp.tanh(x @ self.w)
+
+
+def _tied_lins():
+    a = _Lin(jnp.eye(3) * 0.5)
+    b = _Lin(jnp.ones((3, 3)) * 0.1)
+    return Net([a, b, a, {"last": b}]), a, b
+
+
+def _fused_plans(gdef):
+    return [v for k, v in gdef._plans.items() if isinstance(k, tuple) and k[0] == "write-back"]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_compiled_write_back_matches_a_numpy_replay_and_keeps_ties(monkeypatch, check):
+    # update_inplace with Adam through the compiled write-back, against plain numpy Adam on
+    # the two unique weights; the tied layers stay one object at both places
+    import optax
+
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    net, a, b = _tied_lins()
+    tx = optax.adam(0.05)
+    state = tied.optim.setup(tx, net)
+
+    def loss(m, x):
+        h = x
+        for layer in (m.layers[0], m.layers[1], m.layers[2], m.layers[3]["last"]):
+            h = layer(h)
+        return jnp.sum(h**2)
+
+    step = tied.jit(lambda m, s, x: tied.optim.update_inplace(s, m, tied.grad(loss)(m, x)))
+
+    def np_loss_grads(wa, wb, x):
+        # forward a, b, a, b with tanh; gradients by hand (backprop in numpy)
+        hs, ws = [x], [wa, wb, wa, wb]
+        for w in ws:
+            hs.append(np.tanh(hs[-1] @ w))
+        g = 2 * hs[-1]
+        grads = [np.zeros_like(wa), np.zeros_like(wb)]
+        for k in range(3, -1, -1):
+            pre = g * (1 - hs[k + 1] ** 2)
+            grads[k % 2] += hs[k].T @ pre
+            g = pre @ ws[k].T
+        return grads
+
+    wa, wb = np.asarray(a.w, np.float64), np.asarray(b.w, np.float64)
+    mom = [np.zeros_like(wa), np.zeros_like(wb)]
+    vel = [np.zeros_like(wa), np.zeros_like(wb)]
+    x = np.asarray(X[:, :3], np.float64)
+    for t in range(1, 6):
+        state = step(net, state, X[:, :3])
+        grads = np_loss_grads(wa, wb, x)
+        for k, g in enumerate(grads):
+            mom[k] = 0.9 * mom[k] + 0.1 * g
+            vel[k] = 0.999 * vel[k] + 0.001 * g**2
+            upd = 0.05 * (mom[k] / (1 - 0.9**t)) / (np.sqrt(vel[k] / (1 - 0.999**t)) + 1e-8)
+            if k == 0:
+                wa = wa - upd
+            else:
+                wb = wb - upd
+    assert _fused_plans(tied.flatten(((net, state, X[:, :3]), {}))[1]), "the compiled write-back ran"
+    assert net.layers[0] is net.layers[2] is a and net.layers[3]["last"] is net.layers[1] is b
+    np.testing.assert_allclose(np.asarray(a.w), wa, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(b.w), wb, rtol=2e-4, atol=1e-6)
+    assert int(a.calls.value) == int(b.calls.value) == 10  # two calls a step, five steps
+
+
+def _mutations():
+    def look_alike(net, a, b):  # one place of a shared layer: a new layer holding the same
+        twin = _Lin(a.w)
+        twin.calls = tied.State(a.calls.value)
+        net.layers[2] = twin
+
+    def new_array(net, a, b):  # a parameter (never written) replaced
+        a.w = jnp.array(a.w)
+
+    def new_cell_value(net, a, b):  # the written cell's value replaced by an equal array
+        b.calls.value = jnp.array(b.calls.value)
+
+    def attribute_added(net, a, b):
+        b.extra = 1
+
+    def tie_made(net, a, b):
+        net.layers[3]["last"] = a
+
+    def tie_cut(net, a, b):
+        net.layers[3] = {"last": _Lin(b.w)}
+
+    return [look_alike, new_array, new_cell_value, attribute_added, tie_made, tie_cut]
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
+def test_compiled_write_back_refuses_a_model_changed_during_the_call(monkeypatch, check, mutate):
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    net, a, b = _tied_lins()
+    armed = {"on": False}
+
+    def callback(_):
+        if armed["on"]:
+            armed["on"] = False
+            mutate(net, a, b)
+
+    def f(m, x):
+        y = m.layers[3]["last"](m.layers[2](m.layers[1](m.layers[0](x)))).sum()
+        jax.debug.callback(callback, y)
+        return y
+
+    step = tied.jit(f)
+    x = X[:, :3]
+    for _ in range(3):
+        step(net, x)
+    assert _fused_plans(tied.flatten(((net, x), {}))[1]), "the compiled write-back is in place"
+    assert int(a.calls.value) == int(b.calls.value) == 6
+    cells = [layer.calls for layer in (net.layers[0], net.layers[1], net.layers[2], net.layers[3]["last"])]
+    armed["on"] = True
+    with pytest.raises(tied.GraphError, match="while the call ran"):
+        step(net, x)
+        jax.effects_barrier()
+    # nothing written: every cell the call was given keeps the count from before it
+    assert all(int(c.value) == 6 for c in cells)

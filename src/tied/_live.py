@@ -289,12 +289,13 @@ class WritePlan:
     plan. ``find`` returns None at the first difference (the caller then runs `slots`).
     """
 
-    __slots__ = ("nodes", "places", "n")
+    __slots__ = ("nodes", "places", "n", "writes")
 
-    def __init__(self, nodes: tuple, places: tuple, n: int):
+    def __init__(self, nodes: tuple, places: tuple, n: int, writes: tuple = ()):
         self.nodes = nodes  # (parent's entry or -1, position there, kind, type, meta, length)
         self.places = places  # (n, container's entry in nodes, position, path)
         self.n = n
+        self.writes = writes  # (n, container's node record in the GraphDef, position)
 
     def _resolve(self, model: Any) -> tuple[list, list] | None:
         """Each node on the way in ``model`` and its meta, or None at the first difference."""
@@ -378,8 +379,9 @@ def write_plan(model: Any, gdef: GraphDef, which: Sequence[int], *, action: str,
         )
         for j, node in sorted(needed.items())
     )
+    writes = tuple((n, j, i) for n, j, i, _ in places)
     places = [(n, entry[j], i, path) for n, j, i, path in places]
-    return out, WritePlan(nodes, tuple(places), len(out))
+    return out, WritePlan(nodes, tuple(places), len(out), writes)
 
 
 # ---------------------------------------------------------------- writing

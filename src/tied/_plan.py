@@ -43,6 +43,7 @@ from ._kinds import (
     KINDS,
     LIST,
     NAMEDTUPLE,
+    OBJ,
     PYTREE,
     SLOTS,
     TUPLE,
@@ -141,9 +142,19 @@ def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
 
 # A generated-code emitter: one straight-line plan, one branch per kind of node; split
 # up, every piece would thread the namespace, the emitted lines and the bound locals.
-def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable[[Any], list | None] | None:
+def compile_flatten(
+    gdef: GraphDef, max_lines: int = MAX_PLAN_LINES, writes: tuple | None = None
+) -> Callable[..., Any] | None:
     """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made
     (a static the walk must look into, or a graph too large to be worth compiling).
+
+    Given ``writes`` (``(n, j, i)``: the n-th new value goes to child ``i`` of node
+    record ``j``, for every place of the written arrays), it is instead a guarded
+    write-back, ``f(root, inputs, values)``: the same reading and checks, and the leaves
+    must be ``inputs`` themselves (so they are distinct); only then every place is
+    written, and it returns True (None, having written nothing, where the model is not
+    of this GraphDef or holds other arrays). None is returned, instead of a function,
+    when a written container is read in a loop.
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
@@ -347,8 +358,11 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
             checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
         emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
     emit(f" out = [{', '.join(_segments(gdef.num_leaves, starts, ends, holders))}]")
-    emit(" if not AT.issuperset(map(type, out)): raise M")
-    emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
+    if writes is None:
+        emit(" if not AT.issuperset(map(type, out)): raise M")
+        emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
+    else:  # the very arrays the call was given (distinct, of array types): nothing else
+        emit(" if any(map(is_not, out, INP)): raise M")
     # Distinct nodes stay distinct. Types are checked above, so objects of the two
     # groups cannot coincide; those hashed by identity go into a set as they are.
     by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
@@ -365,9 +379,34 @@ def compile_flatten(gdef: GraphDef, max_lines: int = MAX_PLAN_LINES) -> Callable
     ns["FAIL"] = _FAIL
     if len(lines) > max_lines:
         return None
-    emit(" return out")
-    lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
-    return _compile("\n".join(lines), "flatten", ns, "guarded")
+    if writes is None:
+        emit(" return out")
+        lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
+        return _compile("\n".join(lines), "flatten", ns, "guarded")
+    # The writes run once every check has passed, outside the guard: a setter that raises
+    # (a state cell refusing its value) is an error, never a miss after half a write.
+    lines[0] = "def plan(root, INP):"
+    held_locals: list[str] = []
+    puts: list[str] = []
+    setters: dict[int, str] = {}
+    for n, j, i in writes:
+        if j not in seen_node:  # read in a loop: no local holds it
+            return None
+        kind, meta, _ = records[j]
+        if kind in (LIST, DICT, OBJ):  # their reading expression is a plain item assignment
+            held_locals.append(f"d{j}" if kind == OBJ else f"n{j}")
+            puts.append(f" {child_expr[j][i]} = V[{n}]")
+        else:  # the kind's own setter (a state cell checks its value)
+            held_locals.append(f"n{j}")
+            setter = setters.get(kind) or setters.setdefault(kind, const(KINDS[kind].setter, "SET"))
+            puts.append(f" {setter}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
+    held_locals = list(dict.fromkeys(held_locals))
+    emit(f" return {tup(held_locals)}")
+    lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
+    lines += ["  return None", f" {tup(held_locals)[1:-1]} = C"]
+    lines += puts
+    lines += [" return True", ""]
+    return _compile("\n".join(lines), "write-back", ns, "guarded")
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ import jax
 
 from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
 from ._live import WritePlan, lock, slots, write, write_plan
+from ._plan import compile_flatten
 
 
 def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
@@ -128,6 +129,8 @@ def write_back(
     changed while the call ran (by another thread, or a callback inside it) is refused,
     never half-updated."""
     with lock:
+        if inputs is not None and _fused(root, gdef, written, values, inputs, action):
+            return
         if inputs is not None:  # every place still holds what the call was given, or nothing
             _unchanged_since_the_call(root, gdef, inputs, written, action)
         plan = gdef._plans.get(("write", written, True))
@@ -137,6 +140,42 @@ def write_back(
             if plan.write(root, values):
                 return
         write(_find(root, gdef, written, action), values)
+
+
+def _fused(root: Any, gdef: GraphDef, written: tuple, values: list, inputs: list, action: str) -> bool:
+    """The re-check and the writes in one generated function (`compile_flatten` given the
+    `WritePlan`'s places), once the structure has its flatten plan and its write plan;
+    False where there is none, or where it misses, having written nothing (the caller
+    then checks and writes its way, and names what changed). Under ``TIED_CHECK_PLANS=1``
+    its verdict is compared with `_unchanged_since_the_call`'s, and every place `slots`
+    finds must hold its new value after it wrote."""
+    plans = gdef._plans
+    fused = plans.get(("write-back", written))
+    if fused is None:
+        plan = plans.get(("write", written, True))
+        if not isinstance(plan, WritePlan) or not plans.get("flatten plan") or len(inputs) != gdef.num_leaves:
+            return False
+        fused = plans[("write-back", written)] = compile_flatten(gdef, writes=plan.writes) or False
+    if not fused:
+        return False
+    if not CHECK_PLANS:
+        return fused(root, inputs, values) is not None
+    try:
+        _unchanged_since_the_call(root, gdef, inputs, written, action)
+        changed = None
+        at = _find(root, gdef, written, action)
+    except GraphError as e:
+        changed = e
+    wrote = fused(root, inputs, values) is not None
+    if changed is not None:
+        if wrote:
+            raise PlanMismatch(f"a compiled write-back wrote into a model changed during the call: {changed}")
+        raise changed
+    if not wrote:
+        raise PlanMismatch(f"a compiled write-back missed on a model of its own structure ({gdef})")
+    if any(slot.get() is not v for places, v in zip(at, values) for slot in places):
+        raise PlanMismatch(f"a compiled write-back wrote other places than slots finds ({gdef})")
+    return True
 
 
 def _find(root: Any, gdef: GraphDef, written: tuple, action: str) -> list:
