@@ -891,3 +891,51 @@ def test_a_register_state_class_stays_an_object_and_is_a_state_node():
     kinds = {p.path: p.kind for p in gdef.walk_places()}
     assert kinds["[0]"] == "object" and gdef.state_nodes() == (False, True)
     assert gdef.state_leaves() == (True, False)
+
+
+# ---------------------------------------------------------------- the cyclic collector
+
+
+def test_the_collector_is_paused_for_large_walks_and_rebuilds_and_restored_after(monkeypatch):
+    import gc
+
+    from tied import _graph
+
+    states = []
+    monkeypatch.setattr(_graph, "CHECK_PLANS", False)  # its own walks are the check's, not paused
+    tied.register(_GcLayer)
+    layers = [_GcLayer(jnp.full((2,), float(i))) for i in range(_graph.PAUSE_GC_NODES + 10)]
+    model = {"layers": layers}
+    real_walk = _graph._walk
+
+    def spy(tree):
+        states.append(gc.isenabled())
+        return real_walk(tree)
+
+    monkeypatch.setattr(_graph, "_walk", spy)
+    assert gc.isenabled()
+    for _ in range(3):  # walked, walked and planned, planned
+        leaves, gdef = tied.flatten(model)
+        out = tied.unflatten(gdef, [x + 1 for x in leaves])
+        assert gc.isenabled()
+    assert states and not any(states)  # the collector was off during every walk
+    # the result is the walk's: every layer rebuilt with its own new array, in order
+    assert [float(layer.w[0]) for layer in out["layers"]] == [i + 1.0 for i in range(len(layers))]
+    # a walk that fails still gives the collector back
+    cycle = ([jnp.ones(2)],)
+    cycle[0].append(cycle)  # a cycle through a tuple: refused
+    with pytest.raises(tied.GraphError, match="cycle"):
+        tied.flatten({"layers": layers, "bad": cycle})
+    assert gc.isenabled()
+    # a collector the user turned off stays off
+    gc.disable()
+    try:
+        tied.flatten(model)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+class _GcLayer:
+    def __init__(self, w):
+        self.w = w

@@ -22,6 +22,7 @@ re-exports the names the rest of `tied` imports from it. See ``src/tied/README.m
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import weakref
@@ -45,6 +46,7 @@ from ._graphdef import (
     GraphDef,
     Place,
     ViewInfo,
+    dfs_order,
     expand,
     place_paths,
     rebuild_order,
@@ -159,16 +161,36 @@ def flatten_with(tree: Any, cache: PlanCache) -> tuple[list, GraphDef]:
         return _flatten_with(tree, cache)
 
 
+# Python's cyclic collector runs every 700 new container objects, and every tenth time
+# through the young generations, a pass over the whole heap: a walk or rebuild of a large
+# graph (every object it makes is kept) would pay for several passes over a heap it only
+# grows. The collector is paused for a walk, and for a plan or rebuild over this many nodes.
+PAUSE_GC_NODES = 256
+
+
+def _paused(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with the cyclic collector paused (left as it was if already off).
+    Another thread's gc.disable() during the call is undone by its end (a rare race that
+    costs a collection, never a result)."""
+    if not gc.isenabled():
+        return fn(*args)
+    gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        gc.enable()
+
+
 def _flatten_with(tree: Any, cache: PlanCache) -> tuple[list, GraphDef]:
     plans = cache.get(type(tree))
     if plans:
         for gdef, plan in plans:
-            leaves = plan(tree)
+            leaves = plan(tree) if len(gdef.records) < PAUSE_GC_NODES else _paused(plan, tree)
             if leaves is not None:
                 if CHECK_PLANS:
                     _check_plan_hit(tree, leaves, gdef)
                 return leaves, gdef
-    leaves, gdef = _walk(tree)
+    leaves, gdef = _paused(_walk, tree)
     if CHECK_PLANS and plans:
         for pgdef, plan in plans:
             # A first sighting of an array type (a tracer's, say) is a fair miss: the walk
@@ -255,10 +277,11 @@ _VALUE_KINDS = frozenset(kind.index for kind in KINDS if kind.value_when_static)
 _FRESH = frozenset(kind.index for kind in KINDS if kind.fresh_children)
 
 
-def _value_record(k: int, x: Any, records: list, statics: list) -> int:
+def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> int:
     """A tuple of static values is a value: Python reuses such tuples (``()``, constants),
     so their identity says nothing. One record per place, its statics recorded."""
     j = len(records)
+    post.append(j)  # complete at once: it holds no node
     refs = []
     for c in x:
         statics.append(c)
@@ -281,7 +304,9 @@ def _arrays_in_static_data(x: Any) -> None:
     raise _WalkError(message)
 
 
-def _enter(leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set):
+def _enter(
+    leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set, post: list
+):
     """The walk's step into one object: ``enter(x)`` is the reference of ``x`` if it is
     finished at once, else None (a frame was pushed on ``stack``)."""
     # Children made on the fly by a pytree's flatten are held here: once freed, their
@@ -305,7 +330,7 @@ def _enter(leaves: list, records: list, statics: list, memo: dict, stack: list, 
             statics.append(x)
             return 3 * len(statics) - 1
         if k in _VALUE_KINDS and all(kind_of(c) is _STATIC for c in x):
-            return _value_record(k, x, records, statics)
+            return _value_record(k, x, records, statics, post)
         r = get(id(x))
         if r is not None:
             if r in open_immutable:
@@ -339,7 +364,8 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     # A frame: [record index, kind, meta, children, next child, refs so far].
     stack: list[list] = []
     open_immutable: set[int] = set()
-    enter = _enter(leaves, records, statics, memo, stack, open_immutable)
+    post: list[int] = []  # the nodes as they are completed: the order `unflatten` builds in
+    enter = _enter(leaves, records, statics, memo, stack, open_immutable, post)
     type_cache = _type_cache
     try:
         result = enter(tree)
@@ -374,6 +400,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
             stack.pop()
             j, k, meta, _, _, refs = frame
             records[j] = (k, meta, tuple(refs))
+            post.append(j)
             r = 3 * j + 1
             if k not in _MUTABLE:
                 open_immutable.discard(r)
@@ -384,7 +411,15 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     except _WalkError as e:
         path = "".join(KINDS[f[1]].key(f[2], f[4] - 1, len(f[3])) for f in stack)
         raise e.finish(path) from None
-    return leaves, GraphDef(tuple(records), tuple(statics), result, len(leaves))
+    gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
+    if result % 3 == 1:  # what rebuild_order would find, known already
+        order = gdef._plans["order"] = (
+            tuple(j for j, rec in enumerate(records) if rec[0] in _MUTABLE),
+            tuple(post),
+        )
+        if CHECK_PLANS and order != dfs_order(gdef):
+            raise PlanMismatch(f"the walk's build order differs from rebuild_order's: {gdef}")
+    return leaves, gdef
 
 
 def _cycle_error(kind: int) -> None:
@@ -477,11 +512,14 @@ def _unflatten(graphdef: GraphDef, leaves: Any, *, statics: Any = None, material
         if count >= 2 and (count >= LARGE_PLAN_SIGHTINGS or unflatten_size(graphdef) <= MAX_PLAN_LINES):
             # None: too large to be worth compiling; remembered as False, and walked
             build = plans[materialize] = compile_unflatten(graphdef, materialize, plan_bound(count)) or False
+    large = len(graphdef.records) >= PAUSE_GC_NODES
     if build:
-        out = build(leaves, statics)
+        out = _paused(build, leaves, statics) if large else build(leaves, statics)
         if CHECK_PLANS:
             _check_rebuild(graphdef, leaves, statics, materialize, out)
         return out
+    if large:
+        return _paused(_rebuild, graphdef, leaves, statics, materialize)
     return _rebuild(graphdef, leaves, statics, materialize)
 
 

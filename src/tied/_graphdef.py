@@ -15,11 +15,17 @@ each place's parent and JAX key), the paths (`place_paths`), the tree unrolling
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ._kinds import _MUTABLE, KINDS, VIEW, GraphError
+from ._kinds import _MUTABLE, KINDS, VIEW, GraphError, _as_is
 from ._strict import _strict
+
+# Kinds whose meta is its own strict key (types, str names, int lengths): a GraphDef of
+# those alone keys on its records as they are.
+_META_AS_IS = frozenset(k.index for k in KINDS if type(k).strict_meta is _as_is)
+_first = operator.itemgetter(0)
 
 __all__ = ["GraphDef", "Place", "ViewInfo", "expand", "place_paths", "rebuild_order"]
 
@@ -105,12 +111,10 @@ class GraphDef:
     def _key(self):
         k = self._k
         if k is None:
-            k = self._k = (
-                self.root,
-                self.num_leaves,
-                tuple((kind, KINDS[kind].strict_meta(meta), refs) for kind, meta, refs in self.records),
-                tuple(map(_strict, self.statics)),
-            )
+            records = self.records
+            if not _META_AS_IS.issuperset(map(_first, records)):  # a meta that needs its key
+                records = tuple((kind, KINDS[kind].strict_meta(meta), refs) for kind, meta, refs in records)
+            k = self._k = (self.root, self.num_leaves, records, tuple(map(_strict, self.statics)))
         return k
 
     def __hash__(self) -> int:
@@ -499,8 +503,13 @@ def rebuild_order(gdef: GraphDef) -> tuple:
     JAX pytree that reads a list child while it is constructed sees it filled. The post
     order is the traversal's: a node is complete when the walk leaves its depth."""
     plan = gdef._plans.get("order")
-    if plan is not None:
-        return plan
+    if plan is None:
+        plan = gdef._plans["order"] = dfs_order(gdef)
+    return plan
+
+
+def dfs_order(gdef: GraphDef) -> tuple:
+    """`rebuild_order`'s orders, found anew (the walk records them as it goes)."""
     records = gdef.records
     mutable = tuple(j for j, rec in enumerate(records) if rec[0] in _MUTABLE)
     post: list[int] = []
@@ -521,9 +530,7 @@ def rebuild_order(gdef: GraphDef) -> tuple:
                 post.append(j)
     if len(post) != len(records):  # every record of a walk or an expansion is reachable
         raise GraphError(f"{gdef}: {len(records) - len(post)} node records unreachable from the root.")
-    plan = (mutable, tuple(post))
-    gdef._plans["order"] = plan
-    return plan
+    return (mutable, tuple(post))
 
 
 def _view_error(fn, source, e) -> GraphError:
