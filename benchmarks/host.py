@@ -3,7 +3,9 @@
 
 Every ratio is the median of per-round ratios over interleaved rounds (the two systems
 alternate within each round), with the smallest and largest beside it: this machine is
-shared and noisy.
+shared and noisy. Timed blocks run with Python's cyclic collector off for every system, as
+`timeit` does; the first (cold) calls run with it on, as a user meets them, and what they
+leave to the young generation is collected inside their timing.
 
 * **steps**: Adam on a chain of ``n`` ``Dense(4, 4)`` layers (tanh), batch 8. tied:
   ``tied.jit`` over ``tied.value_and_grad`` + ``tied.optim.update`` returning the model
@@ -29,6 +31,8 @@ shared and noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import statistics
 import time
 import timeit
@@ -46,6 +50,19 @@ def _spread(ratios: list[float]) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
+@contextlib.contextmanager
+def _collector_off():
+    """Time with Python's cyclic collector off, as `timeit` does, for every system alike (a
+    collection pass lands on whichever system happens to allocate when it falls due), and
+    collect before the next block, untimed."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def interleaved(runs: dict, rounds: int, number: int) -> dict:
     """Seconds per call of each run (median over rounds) and each run's ratio to the last one
     (median, min and max of the same-round ratios)."""
@@ -54,11 +71,12 @@ def interleaved(runs: dict, rounds: int, number: int) -> dict:
     for _ in range(rounds):
         for k in names:
             f = runs[k]
-            t = time.perf_counter()
-            for _ in range(number):
-                v = f()
-            tied.block_until_ready(v)  # a model too
-            times[k].append((time.perf_counter() - t) / number)
+            with _collector_off():
+                t = time.perf_counter()
+                for _ in range(number):
+                    v = f()
+                tied.block_until_ready(v)  # a model too
+                times[k].append((time.perf_counter() - t) / number)
     ref = names[-1]
     out = {"seconds": {k: statistics.median(v) for k, v in times.items()}}
     out["ratio"] = {k: _spread([a / b for a, b in zip(times[k], times[ref])]) for k in names[:-1]}
@@ -226,18 +244,24 @@ def scaling(sizes=(10, 100, 1_000, 10_000), rounds: int = 7) -> dict:
         # plans, so that the first call walks a structure new to tied (its classes are known).
         # One such call is a single sample of a noisy machine: take several, each on plans
         # forgotten, and report their median beside the very first.
+        # The collector stays on for these calls, as a user meets them; tied pauses it
+        # during a walk, so the young objects it leaves are collected inside the timing.
         cold = []
         for _ in range(COLD_ROUNDS - 1):
             _graph._clear_plans()
+            gc.collect()
             t = time.perf_counter()
             leaves, gdef = tied.flatten(model)
             tied.unflatten(gdef, leaves)
+            gc.collect(0)
             cold.append(time.perf_counter() - t)
         _graph._clear_plans()
+        gc.collect()
         for i in range(_plan.LARGE_PLAN_SIGHTINGS + 2):
             t = time.perf_counter()
             leaves, gdef = tied.flatten(model)
             tied.unflatten(gdef, leaves)
+            gc.collect(0)
             calls.append(time.perf_counter() - t)
             if planned_at is None and gdef._plans.get("flatten plan"):
                 planned_at = i  # this call's flatten compiled the plan
