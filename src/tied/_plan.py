@@ -393,8 +393,11 @@ def compile_flatten(
         if j not in seen_node:  # read in a loop: no local holds it
             return None
         kind, meta, _ = records[j]
-        if kind in (LIST, DICT, OBJ):  # their reading expression is a plain item assignment
-            held_locals.append(f"d{j}" if kind == OBJ else f"n{j}")
+        by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
+        if kind in (LIST, DICT) or by_dict:
+            # its reading expression is the item its setter assigns (a list's, a dict's, a
+            # __dict__'s: a registered class and a state cell write there)
+            held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
             puts.append(f" {child_expr[j][i]} = V[{n}]")
         else:  # the kind's own setter (a state cell checks its value)
             held_locals.append(f"n{j}")
