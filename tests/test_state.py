@@ -366,7 +366,7 @@ def test_jit_write_back_equals_the_eager_run_on_random_sharing(program):
     eager, eager_cells = build()
     jitted, cells = build()
     jf = tied.jit(f)
-    for _ in range(2):  # history: the second call runs the compiled function on new values
+    for _ in range(3):  # history: later calls run the compiled function (and write-back) on new values
         f(eager)
         jf(jitted)
     for k in range(len(places)):
