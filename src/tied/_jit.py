@@ -136,11 +136,11 @@ class _GraphAux:
 @jax.tree_util.register_pytree_node_class
 class _Output:
     """What the traced function of `tied.jit` returns: the unique output arrays, with the
-    output's GraphDef and the marks of tied's total gradients as static auxiliary data."""
+    output's GraphDef and the positions of tied's total gradients as static auxiliary data."""
 
     __slots__ = ("leaves", "graphdef", "totals", "written")
 
-    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[bool, ...], written: Any):
+    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[int, ...], written: Any):
         self.leaves, self.graphdef, self.totals, self.written = leaves, graphdef, totals, written
 
     def tree_flatten(self):
@@ -223,9 +223,8 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         new_values = [after_leaves[q] for q in written]
         # The output's structure, which of its arrays are tied's own total gradients, and
         # what was written travel back through JAX as static auxiliary data.
-        return _Output(
-            out_leaves + new_values, out_gdef, tuple(map(is_total, out_leaves)), _Written(tuple(written))
-        )
+        totals = tuple(i for i, x in enumerate(out_leaves) if is_total(x))
+        return _Output(out_leaves + new_values, out_gdef, totals, _Written(tuple(written)))
 
     return flat_fun
 
@@ -322,14 +321,13 @@ class Jitted:
                 raise
             raise better from e
         written = out.written.indices
-        n_out = len(out.leaves) - len(written)
-        out_leaves = out.leaves[:n_out]
+        out_leaves = out.leaves
         if written:
+            n_out = len(out_leaves) - len(written)
+            out_leaves = out.leaves[:n_out]
             write_back(root, gdef, written, out.leaves[n_out:], "tied.jit", leaves)
-        if any(out.totals):  # the output holds tied's own total gradients: keep them known
-            for x, total in zip(out_leaves, out.totals):
-                if total:
-                    mark_total(x)
+        for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
+            mark_total(out_leaves[i])
         return _unflatten(out.graphdef, out_leaves)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:

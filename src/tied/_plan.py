@@ -29,6 +29,7 @@ through its own ``children``, ``make``, ``shell`` and ``fill``.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import linecache
 import operator
@@ -104,6 +105,9 @@ class _Miss(Exception):
 _FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
 
 _counter = itertools.count()
+
+# Kinds whose children a plan reads by key or index (no call that could hand back new objects).
+_READ_BY_KEY = frozenset({LIST, TUPLE, DICT, NAMEDTUPLE} | {k.index for k in KINDS if k.fields_in_dict})
 
 
 def _register_source(source: str, name: str) -> str:
@@ -189,7 +193,6 @@ def compile_flatten(
     static_values: list[Any] = []
     tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
     objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
-    str_dicts: list[str] = []  # dicts whose keys must all be exactly str
     bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
     lay = layout(gdef)
     run_at = {(run.parent, run.start): run for runs in lay.runs.values() for run in runs}
@@ -197,6 +200,13 @@ def compile_flatten(
     starts: list[int] = []
     ends: list[int] = []
     holders: list[str] = []
+    # A node read by key or index (not through a call) that holds an array no other record
+    # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
+    # node's object, the other's child at that key (read too: every record's children are)
+    # would be that array, which the GraphDef puts there for no other record, so the arrays'
+    # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
+    places = collections.Counter(r for _, _, rs in records for r in rs if r % 3 == 0)
+    own = frozenset(r for r, c in places.items() if c == 1)
     looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
     element_slices: list[str] = []
     skip = 0
@@ -260,7 +270,7 @@ def compile_flatten(
         n = len(refs)
         v = f"n{q}"
         emit(f" {v} = {expr}")
-        if not untracked(records[q]):
+        if not untracked(records[q]) and not (kind in _READ_BY_KEY and any(map(own.__contains__, refs))):
             tracked_nodes.append((v, records[q]))
         if kind == LIST or kind == TUPLE:
             typ = "list" if kind == LIST else "tuple"
@@ -283,8 +293,17 @@ def compile_flatten(
             keys, order = meta
             ks = const(keys, "K")
             inserted = const(keys if order is None else order, "KI")
+            str_keys = all(type(k) is str for k in keys)
             # The keys in the model's insertion order (which the rebuilt dict keeps).
-            emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
+            if n and str_keys:
+                # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
+                # the same strings): those are exact str. Else equal, and checked exact str here.
+                emit(
+                    f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
+                    f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
+                )
+            else:
+                emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
             child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
             if q in lay.bulk:  # arrays all seen here first: read them in one statement
                 first = refs[0] // 3
@@ -292,10 +311,7 @@ def compile_flatten(
                 emit(f" RD{q} = {read}")
                 held(first, first + n, f"RD{q}")
                 bulk.add(q)
-            if all(type(k) is str for k in keys):
-                if n:
-                    str_dicts.append(v)  # equal exact-str keys: the same keys
-            else:  # 1 == 1.0 == True: compare the keys themselves, type and bits
+            if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
                 sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
                 emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
         elif KINDS[kind].fields_in_dict:
@@ -333,12 +349,10 @@ def compile_flatten(
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
         emit(f" if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
         # The fields in their order (the walk lists them in assignment order), all dicts'
-        # keys in one tuple: each dict holds its names (read above), and the same total
-        # sequence then means the same keys in the same order in each.
-        names = const(tuple(n for _, _, _, nm in objects for n in nm), "NAMES")
-        emit(f" if tuple(chain.from_iterable({tup([d for _, d, _, _ in objects])})) != {names}: raise M")
-    if str_dicts:
-        emit(f" if not STR.issuperset(map(type, chain{tup(str_dicts)})): raise M")
+        # keys in one list (a display: no call per dict): each dict holds its names (read
+        # above), and the same total sequence then means the same keys in the same order in each.
+        names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
+        emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
     if statics:
         values = const(tuple(static_values), "SV")
         emit(f" sv = {tup(statics)}")
@@ -502,7 +516,12 @@ def compile_unflatten(
             emit(f" n{j}.extend({args(refs, j)})")
         elif kind == DICT:
             keys, order = meta
-            if order is not None and j in lay.bulk:  # keys in the model's order, then values
+            if len(refs) > 8 and all(type(k) is str for k in keys):
+                # The keys in the model's order first, from a dict made once (its table copied,
+                # no resizing as keys are added; a str's hash never changes), then the values.
+                ns[f"KD{j}"] = dict.fromkeys(keys if order is None else order)
+                emit(f" n{j}.update(KD{j})")
+            elif order is not None and j in lay.bulk:  # keys in the model's order, then values
                 ns[f"KI{j}"] = order
                 emit(f" n{j}.update(dict.fromkeys(KI{j}))")
             elif order is not None:  # fill in the model's insertion order
