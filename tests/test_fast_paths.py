@@ -285,7 +285,7 @@ class _Lin:
 def _tied_lins():
     a = _Lin(jnp.eye(3) * 0.5)
     b = _Lin(jnp.ones((3, 3)) * 0.1)
-    return Net([a, b, a, {"last": b}]), a, b
+    return Net([a, b, a, {"first": a, "last": b}]), a, b
 
 
 def _fused_plans(gdef):
@@ -365,9 +365,13 @@ def _mutations():
         net.layers[3]["last"] = a
 
     def tie_cut(net, a, b):
-        net.layers[3] = {"last": _Lin(b.w)}
+        net.layers[3] = {"first": a, "last": _Lin(b.w)}
 
-    return [look_alike, new_array, new_cell_value, attribute_added, tie_made, tie_cut]
+    def keys_reordered(net, a, b):  # the same dict, its keys in another order
+        d = net.layers[3]
+        d["first"] = d.pop("first")
+
+    return [look_alike, new_array, new_cell_value, attribute_added, tie_made, tie_cut, keys_reordered]
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -395,8 +399,10 @@ def test_compiled_write_back_refuses_a_model_changed_during_the_call(monkeypatch
     assert int(a.calls.value) == int(b.calls.value) == 6
     cells = [layer.calls for layer in (net.layers[0], net.layers[1], net.layers[2], net.layers[3]["last"])]
     armed["on"] = True
-    with pytest.raises(tied.GraphError, match="while the call ran"):
+    with pytest.raises(tied.GraphError, match="while the call ran") as err:
         step(net, x)
         jax.effects_barrier()
+    if mutate.__name__ == "keys_reordered":  # named where it happened
+        assert str(err.value).startswith("args[0].layers[3]: its keys or fields")
     # nothing written: every cell the call was given keeps the count from before it
     assert all(int(c.value) == 6 for c in cells)

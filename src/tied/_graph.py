@@ -170,8 +170,9 @@ PAUSE_GC_NODES = 256
 
 def _paused(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` with the cyclic collector paused (left as it was if already off).
-    Another thread's gc.disable() during the call is undone by its end (a rare race that
-    costs a collection, never a result)."""
+    A gc.disable() that another thread makes while it runs is undone when it ends: the
+    collector is one switch for the process (it changes when garbage is collected, never a
+    result)."""
     if not gc.isenabled():
         return fn(*args)
     gc.disable()

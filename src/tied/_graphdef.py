@@ -211,6 +211,12 @@ class GraphDef:
             out.append((key, name, q))
         return tuple(out)
 
+    def node_key(self, j: int) -> tuple:
+        """Node ``j``'s kind and meta as GraphDefs compare them (its keys or fields, their
+        order and exact types): equal for two nodes of one layout."""
+        kind, meta, _ = self.records[j]
+        return kind, KINDS[kind].strict_meta(meta)
+
     def _keys(self) -> list[tuple]:
         """For each node, the JAX keys of its children (made once per GraphDef)."""
         keys = self._plans.get("keys")

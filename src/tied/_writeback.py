@@ -73,6 +73,9 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
             return f"{name(p.path)}: a {p.kind} became a {q.kind}"
         if p.type is not q.type:
             return f"{name(p.path)}: a {p.type.__name__} became a {q.type.__name__}"
+        if p.kind not in ("array", "static") and p.first and q.first:
+            if before.node_key(p.index) != after.node_key(q.index):
+                return f"{name(p.path)}: its keys or fields, their order or their types changed"
         if p.first != q.first or p.index != q.index:
             return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
         if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
