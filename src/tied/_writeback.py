@@ -66,6 +66,7 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
     name = name or place_name
     a = list(before.walk_places())
     b = list(after.walk_places())
+    meta = None
     for p, q in zip(a, b):
         if p.path != q.path:
             return f"{name(min(p.path, q.path))}: a place was added or removed there"
@@ -73,9 +74,9 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
             return f"{name(p.path)}: a {p.kind} became a {q.kind}"
         if p.type is not q.type:
             return f"{name(p.path)}: a {p.type.__name__} became a {q.type.__name__}"
-        if p.kind not in ("array", "static") and p.first and q.first:
-            if before.node_key(p.index) != after.node_key(q.index):
-                return f"{name(p.path)}: its keys or fields, their order or their types changed"
+        if meta is None and p.kind not in ("array", "static") and p.first and q.first:
+            if before.node_key(p.index) != after.node_key(q.index):  # named if nothing else differs
+                meta = f"{name(p.path)}: its keys or fields, their order or their types changed"
         if p.first != q.first or p.index != q.index:
             return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
         if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
@@ -83,7 +84,7 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
     if len(a) != len(b):
         longer = a if len(a) > len(b) else b
         return f"{name(longer[min(len(a), len(b))].path)}: a place was added or removed there"
-    return "<root>: the structure changed"
+    return meta or "<root>: the structure changed"
 
 
 def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
