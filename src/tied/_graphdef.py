@@ -211,7 +211,7 @@ class GraphDef:
             out.append((key, name, q))
         return tuple(out)
 
-    def node_key(self, j: int) -> tuple:
+    def _node_key(self, j: int) -> tuple:
         """Node ``j``'s kind and meta as GraphDefs compare them (its keys or fields, their
         order and exact types): equal for two nodes of one layout."""
         kind, meta, _ = self.records[j]

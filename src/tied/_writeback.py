@@ -75,7 +75,7 @@ def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str
         if p.type is not q.type:
             return f"{name(p.path)}: a {p.type.__name__} became a {q.type.__name__}"
         if meta is None and p.kind not in ("array", "static") and p.first and q.first:
-            if before.node_key(p.index) != after.node_key(q.index):  # named if nothing else differs
+            if before._node_key(p.index) != after._node_key(q.index):  # named if nothing else differs
                 meta = f"{name(p.path)}: its keys or fields, their order or their types changed"
         if p.first != q.first or p.index != q.index:
             return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
