@@ -46,9 +46,9 @@ from ._graphdef import (
     GraphDef,
     Place,
     ViewInfo,
-    dfs_order,
     expand,
     place_paths,
+    post_order,
     rebuild_order,
     untracked,
     view_failed,
@@ -413,13 +413,10 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         path = "".join(KINDS[f[1]].key(f[2], f[4] - 1, len(f[3])) for f in stack)
         raise e.finish(path) from None
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
-    if result % 3 == 1:  # what rebuild_order would find, known already
-        order = gdef._plans["order"] = (
-            tuple(j for j, rec in enumerate(records) if rec[0] in _MUTABLE),
-            tuple(post),
-        )
-        if CHECK_PLANS and order != dfs_order(gdef):
-            raise PlanMismatch(f"the walk's build order differs from rebuild_order's: {gdef}")
+    if result % 3 == 1:  # the build order (see rebuild_order), known already
+        order = gdef._plans["post"] = tuple(post)
+        if CHECK_PLANS and order != post_order(gdef):
+            raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
     return leaves, gdef
 
 

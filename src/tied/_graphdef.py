@@ -508,16 +508,21 @@ def rebuild_order(gdef: GraphDef) -> tuple:
     parent), so that a node is filled or built only once its children are complete: a
     JAX pytree that reads a list child while it is constructed sees it filled. The post
     order is the traversal's: a node is complete when the walk leaves its depth."""
-    plan = gdef._plans.get("order")
+    plans = gdef._plans
+    plan = plans.get("order")
     if plan is None:
-        plan = gdef._plans["order"] = dfs_order(gdef)
+        post = plans.get("post")  # the walk records it as it completes nodes
+        if post is None:
+            post = post_order(gdef)
+        mutable = tuple(j for j, rec in enumerate(gdef.records) if rec[0] in _MUTABLE)
+        plan = plans["order"] = (mutable, post)
     return plan
 
 
-def dfs_order(gdef: GraphDef) -> tuple:
-    """`rebuild_order`'s orders, found anew (the walk records them as it goes)."""
+def post_order(gdef: GraphDef) -> tuple:
+    """Every node, children before their parent, found by a search over first places (for a
+    GraphDef the walk did not make, and to check the walk's)."""
     records = gdef.records
-    mutable = tuple(j for j, rec in enumerate(records) if rec[0] in _MUTABLE)
     post: list[int] = []
     if gdef.root % 3 == 1:  # depth first over first places; a node is done after its children
         seen = bytearray(len(records))
@@ -536,7 +541,7 @@ def dfs_order(gdef: GraphDef) -> tuple:
                 post.append(j)
     if len(post) != len(records):  # every record of a walk or an expansion is reachable
         raise GraphError(f"{gdef}: {len(records) - len(post)} node records unreachable from the root.")
-    return (mutable, tuple(post))
+    return tuple(post)
 
 
 def _view_error(fn, source, e) -> GraphError:

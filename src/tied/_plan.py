@@ -415,8 +415,9 @@ def compile_flatten(
             puts.append(f" {child_expr[j][i]} = V[{n}]")
         else:  # the kind's own setter (a state cell checks its value)
             held_locals.append(f"n{j}")
-            setter = setters.get(kind) or setters.setdefault(kind, const(KINDS[kind].setter, "SET"))
-            puts.append(f" {setter}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
+            if kind not in setters:
+                setters[kind] = const(KINDS[kind].setter, "SET")
+            puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
     held_locals = list(dict.fromkeys(held_locals))
     emit(f" return {tup(held_locals)}")
     lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
