@@ -80,8 +80,18 @@ class Layout(NamedTuple):
 def walk_order(gdef: GraphDef) -> list | None:
     """``(parent, position, reference)`` for every place of a walk's GraphDef, in the walk's
     order (None for a GraphDef numbered otherwise)."""
+    global _recent
+    recent = _recent
+    if recent is not None and recent[0] is gdef:  # the replay `layout` has just made
+        _recent = None
+        return recent[1]
     ext = _extents(gdef)
     return None if ext is None else ext.order
+
+
+# The walk order of the GraphDef whose layout was found last: a plan is compiled right after
+# (the replay costs about a µs a place). One GraphDef at most is held, and only until then.
+_recent: tuple | None = None
 
 
 def layout(gdef: GraphDef) -> Layout:
@@ -228,10 +238,12 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
 
 
 def _find(gdef: GraphDef) -> Layout:
+    global _recent
     records = gdef.records
     ext = _extents(gdef)
     if ext is None:
         return Layout({}, frozenset(), sum(len(rec[2]) for rec in records) + 1, 0, 0, 0)
+    _recent = (gdef, ext.order)
     key = gdef._key()
     runs: dict[int, tuple[Run, ...]] = {}
     looped = [0, 0, 0]  # places, records, leaves
