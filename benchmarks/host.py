@@ -42,7 +42,9 @@ import jax.numpy as jnp
 import optax
 
 import tied
-from tied import _graph, _plan, optim
+from tied import optim
+from tied._core import graph as _graph
+from tied._core.plans import compile as _plan
 from tied.nn import Chain, Dense
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import tied
 
-MODULES = ["tied"] + sorted(f"tied.{m.name}" for m in pkgutil.iter_modules(tied.__path__))
+MODULES = ["tied"] + sorted(m.name for m in pkgutil.walk_packages(tied.__path__, "tied."))  # folders too
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -45,10 +45,10 @@ def test_docstring_example(test: doctest.DocTest):
 def test_the_examples_are_found():
     # A finder that silently found nothing would make every test above vacuous.
     names = {t.name for t in TESTS}
-    assert {"tied.nn.Dense", "tied._graph.flatten", "tied.optim.setup"} <= names
+    assert {"tied.nn._layers.Dense", "tied._core.graph.flatten", "tied.optim._update.setup"} <= names
 
 
-# A lock object's docstring is Python's own; what tied.live_lock guards is documented in tied._live.
+# A lock object's docstring is Python's own; what tied.live_lock guards is documented in tied._core.live.
 NO_EXAMPLE_NEEDED = {"tied.live_lock"}
 
 
@@ -109,7 +109,7 @@ def test_docstring_example_sections_are_named_examples():
     src = Path(tied.__file__).resolve().parent
     bad = [
         f"{p.name}:{i}"
-        for p in sorted(src.glob("*.py"))
+        for p in sorted(src.rglob("*.py"))
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if line.strip() == "Example:"
     ]

@@ -238,15 +238,15 @@ def test_nnx_layer_inside_a_tied_chain_and_tied_map():
     out, _ = check_adam(m, loss)
     assert out.layers[0] is out.layers[2] and isinstance(out.layers[0], nnx.Linear)
 
-    from tied._map import map as tmap
+    from tied._tree.map import map as tmap
 
     half = tmap(lambda a: a.astype(jnp.bfloat16), TiedLM(nnx.Rngs(0)))
     assert half.head is half.embed.embedding and half.head[...].dtype == jnp.bfloat16
 
 
 def test_surgery_on_nnx_and_equinox_modules():
-    from tied._map import map as tmap
-    from tied._surgery import replace, tie, untie
+    from tied._tree.map import map as tmap
+    from tied._tree.surgery import replace, tie, untie
 
     m = TiedLM(nnx.Rngs(0))
     u = untie(m, ".head")  # the head gets its own nnx.Param, a copy of the embedding

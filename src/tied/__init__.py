@@ -11,21 +11,54 @@ from . import _compat  # noqa: F401
 
 # isort: split
 from . import nn, optim
-from ._checkpoint import CheckpointError, load, load_metadata, save
-from ._classify import register_state
-from ._grad import accumulate, grad, is_param, value_and_grad
-from ._graph import GraphDef, GraphError, flatten, is_state, register, ties, unflatten
-from ._implicit import Grads, Params, gradient, params
-from ._inspect import param_count, print_summary, render_dot, summary, to_dot
-from ._jit import Graph, block_until_ready, jit
-from ._live import lock as live_lock
-from ._manager import CheckpointManager
-from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
-from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
-from ._state import Rng, State
-from ._surgery import PathError, replace, tie, untie
-from ._under import under
-from ._view import View, materialize, transpose, view
+from ._checkpoint import CheckpointError, CheckpointManager, load, load_metadata, save
+from ._core import (
+    GraphDef,
+    GraphError,
+    Rng,
+    State,
+    View,
+    flatten,
+    is_state,
+    materialize,
+    register,
+    register_state,
+    ties,
+    transpose,
+    under,
+    unflatten,
+    view,
+)
+from ._core import lock as live_lock
+from ._transforms import (
+    DataParallel,
+    Grads,
+    Graph,
+    Params,
+    accumulate,
+    block_until_ready,
+    data_parallel,
+    device_put,
+    grad,
+    gradient,
+    is_param,
+    jit,
+    params,
+    sharding_tree,
+    value_and_grad,
+)
+from ._tree import (
+    PathError,
+    map,  # noqa: A004 - tied.map, like jax.tree_util.tree_map
+    param_count,
+    print_summary,
+    render_dot,
+    replace,
+    summary,
+    tie,
+    to_dot,
+    untie,
+)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,419 @@
+"""Checkpoints that keep ties: `save`, `load` and `load_metadata`, over two formats.
+
+* One safetensors file (the default, `safetensors_format.py`), for a model that one
+  process holds: each unique array stored once under the keystr path of its
+  first place, the manifest (places, ties, views, dtypes, shapes, checksums,
+  the caller's metadata) in the header.
+* An Orbax checkpoint directory (``format="orbax"``, `orbax_format.py`), for arrays
+  split over devices and processes: every process writes its own shards.
+
+What does not depend on the format (describing a tree's sharing, checking a
+file against ``like``, building the loaded tree) is in `manifest.py`.
+
+Loading rebuilds nothing from the checkpoint but values: structure, static
+fields and the view functions come from ``like``, which must have the saved
+places and ties; everything is checked before any array is built. Nothing is
+unpickled, and nothing the checkpoint names is imported, looked up or called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from .._core import flatten
+from . import manifest, safetensors_format
+from .manifest import CheckpointError, keystr
+
+__all__ = ["CheckpointError", "save", "load", "load_metadata"]
+
+_FORMATS = ("safetensors", "orbax")
+
+
+def save(
+    path: str | os.PathLike,
+    tree: Any,
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    format: Literal["safetensors", "orbax"] = "safetensors",
+) -> None:
+    """Write a model (or an optimiser state, or any object graph) to a checkpoint, ties and all.
+
+    With ``format="safetensors"`` (the default) the checkpoint is one plain
+    safetensors file: each unique array stored once, under the keystr path of
+    its first place (so ``safetensors.numpy.load_file`` opens it too), and the
+    places, shared nodes and views in its metadata. Only view *sources* are
+    stored: a view is rebuilt by ``like``'s function at load time. The write is
+    atomic: the bytes go to a temporary file beside ``path``, which is fsynced
+    and renamed over it, so a crash, a kill or a full disk mid-save leaves an
+    existing checkpoint untouched (and the next save removes the dead one's
+    temporary file). One process must be able to read every array: an array
+    split over several processes is refused, with the advice to pass
+    ``format="orbax"``.
+
+    With ``format="orbax"`` the checkpoint is an Orbax directory at ``path``;
+    every process calls `save`, and each writes only its own shards.
+
+    Args:
+        path: the file (by convention ending in ``.safetensors``) or, for Orbax, the directory.
+        tree: the object graph; for safetensors its arrays may have any dtype
+            safetensors knows (bool, (u)int8..64, float16, bfloat16, float32,
+            float64, complex64, float8); big-endian numpy arrays are stored little-endian;
+            typed keys (``jax.random.key``) as their key data, loaded back as typed keys;
+            state (below a `tied.State`) is stored and marked as state.
+        metadata: JSON-serialisable values under string keys (a step number, a
+            config), read back with `tied.load_metadata`.
+        format: ``"safetensors"`` or ``"orbax"``.
+
+    Raises:
+        CheckpointError: an array the format cannot hold (a dtype, an array this
+            process cannot fully read), or metadata that is not JSON; the message
+            names the path; two places written alike with the same keys (two
+            ``float("nan")`` dict keys). Nothing is written then.
+
+    Examples:
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> tied.save(path, model, {"step": 10})   # weight and bias stored once
+        >>> back = tied.load(path, like=model)
+        >>> back.layers[0].weight is back.layers[1].weight
+        True
+        >>> bool((back.layers[1].bias == d1.bias).all())
+        True
+    """
+    if format == "orbax":
+        from . import orbax_format
+
+        orbax_format.save(path, tree, metadata)
+        return
+    if format != "safetensors":
+        known = ", ".join(map(repr, _FORMATS))
+        raise CheckpointError(f"tied.save(format={format!r}): the formats are {known}.")
+    if os.path.isdir(path):
+        raise CheckpointError(
+            f"{os.fspath(path)} is a directory; a safetensors checkpoint is one file. Pass a file name, or "
+            "format='orbax' to write (over) an Orbax checkpoint directory."
+        )
+    leaves, doc = manifest.describe(tree, metadata)
+    safetensors_format.write(path, leaves, doc)
+
+
+def load_metadata(path: str | os.PathLike) -> dict:
+    """The ``metadata`` given to `tied.save` for this checkpoint (after its header is checked).
+
+    Examples:
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
+        >>> tied.save(path, model, metadata={"step": 500})
+        >>> tied.load_metadata(path)
+        {'step': 500}
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        from . import orbax_format
+
+        return orbax_format.load_metadata(path)
+    doc = safetensors_format.open_header(path).doc
+    if doc is None:
+        raise _plain_file(path)
+    return doc.get("user", {})
+
+
+def _plain_file(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: a safetensors file without tied's metadata (no '{manifest.FORMAT}' entry in "
+        "__metadata__), so its places and ties are unknown. Load it with tied.load(path, like, "
+        "strict=False), which reads each array of like from a key naming one of its places (rename= "
+        "maps other keys), or save it with tied.save."
+    )
+
+
+def load(
+    path: str | os.PathLike,
+    like: Any,
+    *,
+    strict: bool = True,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    allow_extra: bool = False,
+) -> Any:
+    """Read a checkpoint into a new object graph shaped like ``like``, with the checkpoint's values and ties.
+
+    ``like`` gives the structure, the static fields and the view functions (the
+    checkpoint holds data only). Its arrays may be real arrays or
+    ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``, or ``tied.map`` over a
+    model), so a model need not exist in memory to be loaded. Arrays come back
+    as ``like``'s are: a JAX array on ``like``'s sharding (a committed array's,
+    or a ``ShapeDtypeStruct``'s ``.sharding``), a numpy array for numpy, an
+    uncommitted JAX array otherwise. Every check runs before any array is built,
+    so an error never leaves a partly loaded model.
+
+    A directory is read as an Orbax checkpoint written by ``tied.save(...,
+    format="orbax")``; a file as safetensors.
+
+    With ``strict=True`` (the default) the file must have been written by
+    `tied.save`: its places, sharing, views, dtypes and shapes must be
+    ``like``'s. With ``strict=False`` any safetensors file is read by its keys
+    (a file from ``safetensors.numpy.save_file``, a Hugging Face checkpoint):
+    a key names a place of ``like`` by its keystr path (after ``rename``; any
+    place, below a shared layer too), each
+    unique array of ``like`` is read from any one of its places the file holds
+    (a tied embedding stored once fills both places), and the ties are
+    ``like``'s. Keys at two places of one array must hold equal values.
+
+    Args:
+        path: a file written by `tied.save` (or, with ``strict=False``, any
+            safetensors file), or an Orbax checkpoint directory.
+        like: an object graph with the saved one's structure (a freshly
+            initialised model, ``tied.optim.setup(...)`` for an optimiser state,
+            or the same with ``jax.ShapeDtypeStruct`` leaves).
+        strict: check the file's tie manifest against ``like`` (True), or match
+            the file's keys to ``like``'s places (False).
+        rename: with ``strict=False``: file key -> place of ``like`` (a mapping,
+            keys it lacks kept as they are, or a function; a function may return
+            None for a key to skip when ``allow_extra``).
+        allow_extra: with ``strict=False``, leave keys that name no place unread
+            instead of refusing the file.
+
+    Returns:
+        The new graph: where the checkpoint has one array at several places, the
+        result has one object there (``is``), views of the loaded sources, and
+        ``like``'s static fields.
+
+    Raises:
+        CheckpointError: the file is truncated, corrupted or hostile, or its
+            places, sharing, dtypes or shapes differ from ``like``'s (with
+            ``strict=False``: an array of ``like`` none of whose places is in
+            the file, keys that name no place, values that differ at two places
+            of one array); the message names the path and both sides.
+
+    Examples:
+        >>> import os, tempfile, jax, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d1 = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> tied.save(path, model)
+        >>> back = tied.load(path, like=model)
+        >>> back.layers[0].weight is back.layers[1].weight
+        True
+
+        A file not written by `tied` (Hugging Face style: a tied weight stored
+        once, under one of its places) loads with ``strict=False``:
+
+        >>> import numpy as np
+        >>> from safetensors.numpy import save_file
+        >>> w, b = np.ones((2, 2), np.float32), np.zeros(2, np.float32)
+        >>> save_file({".layers[0].weight": w, ".layers[0].bias": b}, path)
+        >>> back = tied.load(path, like=model, strict=False)
+        >>> back.layers[1].weight is back.layers[0].weight
+        True
+        >>> back.layers[1].weight.tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
+    path = os.fspath(path)
+    if strict and (rename is not None or allow_extra):
+        raise CheckpointError(
+            "tied.load(rename=..., allow_extra=...) apply to files read by their keys: pass strict=False."
+        )
+    if os.path.isdir(path):
+        if not strict:
+            raise CheckpointError(
+                f"{path}: a directory is read as a tied Orbax checkpoint, whose manifest is always "
+                "checked; strict=False reads single safetensors files."
+            )
+        from . import orbax_format
+
+        return orbax_format.load(path, like)
+    header = safetensors_format.open_header(path)
+    if strict:
+        if header.doc is None:
+            raise _plain_file(path)
+        m = manifest.match(header.doc, like, path)
+        _check_shardings(m, path)
+        names = [e["name"] for e in m.entries]
+        algo = safetensors_format.checksum_of(header.doc)
+        arrays = safetensors_format.read(path, header, names, [e[algo] for e in m.entries], algo)
+    else:
+        keys = {k: (t.dtype.name, t.shape) for k, t in header.tensors.items()}
+        m = match_keys(keys, like, path, rename=rename, allow_extra=allow_extra)
+        _check_shardings(m, path)
+        arrays = _read_by_keys(path, header, m)
+    return manifest.build(m, [_own(x, leaf) for x, leaf in zip(arrays, m.like)])
+
+
+def _read_by_keys(path: str, header: Any, m: manifest.Match) -> list:
+    """Read each unique array from its first key; where the file holds it under more keys, all must agree."""
+    sums: dict[str, int] = {}
+    algo = "crc32c"
+    if header.doc is not None:  # a tied file read by its keys: its checksums still hold
+        algo = safetensors_format.checksum_of(header.doc)
+        sums = {a["name"]: a[algo] for a in header.doc["arrays"]}
+    names = [k for e in m.entries for k in e["keys"]]
+    got = dict(zip(names, safetensors_format.read(path, header, names, [sums.get(k) for k in names], algo)))
+    out = []
+    for e, ps in zip(m.entries, m.paths):
+        first = got[e["keys"][0]]
+        for other in e["keys"][1:]:
+            if first.tobytes() != got[other].tobytes():
+                raise CheckpointError(
+                    f"{path}: the keys {e['keys'][0]!r} and {other!r} hold different values, but in like "
+                    f"they are places of one array ({', '.join(keystr(p) for p in ps)}). Give "
+                    "like separate arrays there, or drop one key with rename=... (returning None) and "
+                    "allow_extra=True."
+                )
+        out.append(first)
+    return out
+
+
+def _check_shardings(m: manifest.Match, path: str) -> None:
+    """Every array of ``like`` that loads onto a sharding must be divisible by it (checked before a
+    byte is read, so that the error names the place)."""
+    for leaf, ps in zip(m.like, m.paths):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not (manifest.is_abstract(leaf) or getattr(leaf, "committed", False)):
+            continue
+        try:
+            sharding.shard_shape(tuple(leaf.shape))
+        except Exception as e:
+            raise CheckpointError(
+                f"{path}: the array at {keystr(ps[0])} has shape {tuple(leaf.shape)}, which "
+                f"like's sharding {sharding} cannot split evenly ({type(e).__name__}: {e}). Give like a "
+                "sharding whose mesh axes divide each dimension they split (or replicate that array)."
+            ) from None
+
+
+def _own(x: np.ndarray, leaf: Any) -> Any:
+    """A host array read from the file (its own buffer, native byte order) put where ``like``'s leaf lives."""
+    return manifest.place_like(x, leaf)
+
+
+def match_keys(
+    keys: Mapping[str, tuple[str, Sequence[int]]],
+    like: Any,
+    where: str,
+    *,
+    rename: Mapping[str, str] | Callable[[str], str] | None = None,
+    allow_extra: bool = False,
+) -> manifest.Match:
+    """Pair each unique array of ``like`` with a key of a plain file (no tie metadata).
+
+    A file key names a place of ``like`` by its keystr path (after ``rename``:
+    a mapping from file key to path, keys it lacks kept as they are, or a
+    function). Each unique array of ``like`` is read from any one of its places
+    that the file holds (a file that stores a tied weight once names one place);
+    two keys naming places of one array must hold equal shapes and dtypes.
+
+    Args:
+        keys: the file's tensors, ``{key: (numpy dtype name, shape)}``.
+        like: the object graph to load into.
+        where: the file's path, for messages.
+        rename: file key -> place of ``like``.
+        allow_extra: accept file keys that name no place of ``like`` (they are not read).
+
+    Returns:
+        A `Match` whose entries are ``{"name": first file key, "keys": every file key}``.
+
+    Raises:
+        CheckpointError: a unique array none of whose places the file holds (naming
+            those places), keys naming no place (listed) unless ``allow_extra``,
+            two keys renamed to one place, a place path ``like`` writes twice, or a
+            shape or dtype that differs.
+
+    Examples:
+        >>> import jax, tied
+        >>> from tied._checkpoint import match_keys
+        >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
+        >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}   # a tied head
+        >>> keys = {"embed.weight": ("float32", [10, 4])}               # the file stores it once
+        >>> m = match_keys(keys, like=model, where="hf.safetensors",
+        ...                rename={"embed.weight": "['embed'].weight"})
+        >>> m.entries
+        [{'name': 'embed.weight', 'keys': ['embed.weight']}]
+        >>> m.paths
+        [("['embed'].weight", "['head'].weight")]
+    """
+    leaves, gdef = flatten(like)
+    # Every array place, below shared nodes too: a file key may name any of them.
+    places: list[list[str]] = [[] for _ in leaves]
+    owner: dict[str, int] = {}
+    ambiguous: set[str] = set()
+    for p, i in gdef.place_leaves():
+        if p in owner and owner[p] != i:
+            ambiguous.add(p)
+        owner[p] = i
+        places[i].append(p)
+    paths = [tuple(dict.fromkeys(ps)) for ps in places]
+    if rename is None:
+        to_path: Callable[[str], Any] = lambda k: k
+    elif isinstance(rename, Mapping):
+        to_path = lambda k: rename.get(k, k)
+    elif callable(rename):
+        to_path = rename
+    else:
+        raise CheckpointError(
+            f"tied.load(rename=...) takes a mapping or a function from file key to path, got "
+            f"{type(rename).__name__}."
+        )
+
+    found: dict[int, list[tuple[str, str]]] = {}
+    extra: list[str] = []
+    claimed: dict[str, str] = {}
+    for key in keys:
+        try:
+            p = to_path(key)
+        except Exception as e:
+            raise CheckpointError(
+                f"{where}: rename failed on the file key {key!r} ({type(e).__name__}: {e})."
+            ) from e
+        if p is None and allow_extra:  # rename says: leave this key unread
+            continue
+        if not isinstance(p, str):
+            raise CheckpointError(
+                f"{where}: rename turned the file key {key!r} into {p!r}; it must give a keystr path "
+                "such as '.layers[0].weight'."
+            )
+        if p in claimed:
+            raise CheckpointError(
+                f"{where}: the file keys {claimed[p]!r} and {key!r} both name the place {keystr(p)}."
+            )
+        claimed[p] = key
+        if p in ambiguous:
+            raise CheckpointError(
+                f"{where}: like has two places written {keystr(p)} (an attribute whose name holds a '.' "
+                "or brackets), so a file key cannot name one of them. Rename the attribute."
+            )
+        if p not in owner:
+            extra.append(key)
+            continue
+        found.setdefault(owner[p], []).append((p, key))
+    if extra and not allow_extra:
+        shown = ", ".join(repr(k) for k in extra[:10])
+        shown += f" and {len(extra) - 10} more" if len(extra) > 10 else ""
+        raise CheckpointError(
+            f"{where}: the file holds keys that name no place of like: {shown}. Map them with rename=..., "
+            "or pass allow_extra=True to leave them unread."
+        )
+    entries = []
+    for i, (leaf, ps) in enumerate(zip(leaves, paths)):
+        hits = found.get(i)
+        if not hits:
+            raise CheckpointError(
+                f"{where}: no key of the file holds the array at {' / '.join(keystr(p) for p in ps)}. "
+                "Map the file's key to one of these places with rename=..., or give like an array "
+                "the file has."
+            )
+        hits.sort(key=lambda hit: ps.index(hit[0]))  # in like's walk order, whatever the file's
+        for p, key in hits:
+            dtype, shape = keys[key]
+            manifest._check_leaf(where, p, leaf, shape, dtype)
+        entries.append({"name": hits[0][1], "keys": [key for _, key in hits]})
+    return manifest.Match(gdef, leaves, entries, list(paths))

@@ -1,0 +1,74 @@
+"""The core: node kinds, the walk that decides sharing, the GraphDef and its one traversal, flatten
+and unflatten with their compiled plans, views, state cells, path prefixes, what counts as a parameter,
+and writing into live objects. See README.md beside this file.
+"""
+
+from .classify import register, register_state
+from .graph import flatten, flatten_with, is_state, plan_cache, rebuild, ties, unflatten
+from .graphdef import GraphDef, expand, place_paths
+from .kinds import KIND_BY_NAME, GraphError
+from .live import changed, check_written, lock, restore, slots, write
+from .params import Trainable, is_param, trainable_mask
+from .read import read_places
+from .state import Rng, State
+from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
+from .view import View, fn_name, materialize, transpose, view
+from .writeback import (
+    arguments,
+    donation,
+    escaping_tracer,
+    first_difference,
+    is_donated,
+    place_name,
+    returns_copy,
+    structure_error,
+    write_back,
+)
+
+__all__ = [
+    "GraphDef",
+    "GraphError",
+    "KIND_BY_NAME",
+    "Rng",
+    "State",
+    "Trainable",
+    "View",
+    "arguments",
+    "at_or_below",
+    "changed",
+    "check_written",
+    "covered",
+    "donation",
+    "escaping_tracer",
+    "expand",
+    "first_difference",
+    "flatten",
+    "flatten_with",
+    "fn_name",
+    "is_donated",
+    "is_param",
+    "is_state",
+    "lock",
+    "materialize",
+    "place_name",
+    "place_paths",
+    "plan_cache",
+    "read_places",
+    "rebuild",
+    "register",
+    "register_state",
+    "restore",
+    "returns_copy",
+    "slots",
+    "structure_error",
+    "ties",
+    "trainable_mask",
+    "transpose",
+    "under",
+    "unflatten",
+    "view",
+    "warn_empty_masks",
+    "warn_none_selected",
+    "write",
+    "write_back",
+]

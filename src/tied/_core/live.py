@@ -1,0 +1,457 @@
+"""Writing into live models: new values at every place of a parameter, in the user's own objects.
+
+Everything else in `tied` builds new objects. Two features write into the
+objects the user holds: implicit mode (`tied.gradient` puts traced values at
+every place of each parameter for the duration of a call, then the original
+arrays back) and `tied.optim.update_inplace` (puts the updated arrays in for
+good). Both go through `slots`, which finds every place of the chosen unique
+arrays in the live model, from the `GraphDef` of a `flatten` of it, and refuses
+a place that cannot be written, naming its path, before anything is written.
+`write_plan` keeps what one `slots` run found as positions from the root (a
+`WritePlan`): replayed on a later model of the same GraphDef, it reaches only the
+nodes on the way to the written places, each checked (type, meta, length) on the
+live objects, and gives up (None) at the first difference; the write-back of
+`tied.jit` uses it (`_writeback.find_places`), checked against `slots` under
+``TIED_CHECK_PLANS=1``.
+
+Threads. While tied writes into a model, other threads that read it directly
+would see what is written: traced values during `tied.gradient`, a half-updated
+tie during `update_inplace`. Every write happens under one re-entrant lock,
+`lock` (public as ``tied.live_lock``, defined with the walk in `_graph`). Every
+reader in tied waits for it: each `flatten` takes it, so `tied.flatten`,
+`tied.map`, `tied.save`, `tied.grad`, `tied.jit`, `tied.ties` and the rest see
+whole writes only. A thread that reads a model with its own code (a forward
+pass) while another may be writing into it takes it too::
+
+    with tied.live_lock:
+        y = model(x)      # never sees a traced value or a half-written tie
+
+Re-entrant: ``fun`` in `tied.gradient` may itself take a gradient or read
+`tied.params`. A lock per model is not enough, since two models may share a
+layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten, live_lock
+
+__all__ = ["lock", "Slot", "slots", "write_plan", "WritePlan", "write", "restore", "check_written", "changed"]
+
+lock = live_lock  # the walk's lock: every flatten waits for a write in progress
+
+
+class Slot:
+    """One place of an array in a live model: the container object and the child's position.
+
+    Calling a slot writes a value there (so a list of slots is a list of setters).
+    """
+
+    __slots__ = ("path", "_set", "_obj", "_kind", "_meta", "_i")
+
+    def __init__(self, path: str, kind: Kind, meta: Any, obj: Any, i: int):
+        self.path = path
+        self._kind, self._meta, self._obj, self._i = kind, meta, obj, i
+        self._set = kind.setter(meta, obj, i)
+
+    def __call__(self, value: Any) -> None:
+        self._set(value)
+
+    def get(self, cache: dict | None = None) -> Any:
+        """What the place holds now, or `CHANGED` if the container no longer has this
+        child where it was (a key removed, a list shortened, a field deleted). ``cache``
+        keeps each container's children for the slots that share it."""
+        read = cache.get(id(self._obj)) if cache is not None else None
+        if read is None:
+            try:
+                read = self._kind.children(self._obj)
+            except Exception:
+                read = ((), CHANGED)
+            if cache is not None:
+                cache[id(self._obj)] = read
+        children, meta = read
+        if meta is CHANGED or meta != self._meta or self._i >= len(children):
+            return CHANGED
+        return children[self._i]
+
+
+class _Changed:
+    def __repr__(self) -> str:
+        return "<place changed>"
+
+
+CHANGED = _Changed()
+
+
+# ---------------------------------------------------------------- finding the places
+
+
+def _is_frozen_dataclass(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+def slots(
+    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool, _record: Any = None
+) -> list[list[Slot]]:
+    """For each unique array index in ``which``, a `Slot` for every place of it in ``model``.
+
+    ``gdef`` is the GraphDef of a `flatten` of ``model`` taken just before (under
+    `lock`). Places are those of `GraphDef.walk_places`: every (container, child)
+    pair, so a place below a shared node is one slot (writing it reaches all the
+    node's places).
+
+    Raises:
+        GraphError: before anything is written, naming the path of the first
+            place that cannot be written: the model is a bare array; the place
+            is in a tuple, namedtuple or JAX pytree node (an Equinox module); it
+            is in a frozen dataclass (unless ``frozen_ok``); or its container is
+            made anew each time the model is walked (a pytree whose flatten
+            builds a list), so writing into it would not reach the model.
+    """
+    wanted = {q: n for n, q in enumerate(which)}
+    out: list[list[Slot]] = [[] for _ in which]
+    if not wanted:
+        return out
+    # Each place names its container (`Place.parent`); a node's children are visited at
+    # its first place only, in order, so a counter per open node gives each position.
+    opened: dict[int, _Open] = {}
+    for place in gdef.walk_places():
+        if place.parent < 0:
+            obj, twin, node, pos = model, None, None, -1
+            if place.kind == "array" and place.index in wanted:
+                raise GraphError(
+                    f"<root>: {action} writes new arrays into the model's containers, but the "
+                    "model is a bare array. Hold it in a container (a list, dict or "
+                    "registered class)."
+                )
+        else:
+            node = opened[place.parent]
+            i = node.next
+            node.next = i + 1
+            obj = node.children[i]
+            pos = i
+            twin = node.twins[i] if node.twins is not None else None
+            if place.kind == "array" and place.index in wanted:
+                kind = node.kind
+                slot: Any = None
+                if not kind.can_write(node.meta) or (kind.name != "state" and _in_cell(node)):
+                    # Below a state cell's value: the cell gets a rebuilt value, so a container
+                    # of the old value (a snapshot the caller kept) is never changed in place.
+                    slot = _cell_slot(place, node, opened)
+                    if slot is None:
+                        raise _immutable_error(place.path, kind, node.obj, action)
+                elif not frozen_ok and _is_frozen_dataclass(node.obj):
+                    raise _immutable_error(place.path, kind, node.obj, action)
+                if node.twin is not None:
+                    raise _transient_error(place.path, node.obj, action)
+                if slot is None:
+                    slot = Slot(place.path, kind, node.meta, node.obj, i)
+                if _record is not None:
+                    _record.append((wanted[place.index], place.parent, slot))
+                out[wanted[place.index]].append(slot)
+                continue
+        if place.kind in ("array", "static") or not place.first:
+            continue
+        opened[place.index] = new = _Open(obj, KIND_BY_NAME[place.kind], twin, place, node)
+        new.pos = pos
+    if _record is not None:
+        _record.append(opened)
+    return out
+
+
+class _CellSlot:
+    """A place inside an immutable value (a tuple) held by a state cell: written by putting a
+    rebuilt value into the cell (a cell's value is its own, never shared elsewhere)."""
+
+    __slots__ = ("path", "_cell", "_keys")
+
+    def __init__(self, path: str, cell: Any, keys: tuple):
+        self.path, self._cell, self._keys = path, cell, keys
+
+    def __call__(self, value: Any) -> None:
+        d = self._cell.__dict__
+        d["value"] = jax.tree_util.tree_map_with_path(
+            lambda p, x: value if tuple(p) == self._keys else x, d["value"]
+        )
+
+    def get(self, cache: dict | None = None) -> Any:
+        found = [
+            x
+            for p, x in jax.tree_util.tree_leaves_with_path(self._cell.__dict__["value"])
+            if tuple(p) == self._keys
+        ]
+        return found[0] if found else CHANGED
+
+
+def _in_cell(node: Any) -> bool:
+    """Whether an open node lies inside a `tied.State`'s value."""
+    node = node.up
+    while node is not None:
+        if node.kind.name == "state":
+            return True
+        node = node.up
+    return False
+
+
+def _cell_slot(place: Any, node: _Open, opened: dict) -> _CellSlot | None:
+    """A `_CellSlot` for an array place whose container cannot be written, when a
+    `tied.State` above it holds the containers in between (immutable ones, and any list or
+    dict around them: the cell's value is rebuilt whole); else None."""
+    keys = [place.key]
+    while node is not None and node.kind.name != "state":
+        keys.append(node.place.key)
+        node = node.up
+    if node is None or node.kind.name != "state" or not keys or str(keys[-1]) != ".value":
+        return None
+    return _CellSlot(place.path, node.obj, tuple(reversed(keys[:-1])))
+
+
+class _Open:
+    """A node whose children the walk is visiting: the live object and its live children.
+
+    A kind that cannot be written may make its children on the fly (a pytree's
+    flatten builds a list): a child that is not the same object when the children
+    are asked for again is made anew, and so is anything below it that differs
+    between the two copies. ``twin`` is the other copy of a node made anew (None
+    for a node the model stores); ``twins[i]``, that of child i.
+    """
+
+    __slots__ = ("obj", "kind", "children", "meta", "next", "twin", "twins", "place", "up", "pos")
+
+    def __init__(self, obj: Any, kind: Kind, twin: Any, place: Any = None, up: Any = None):
+        self.obj, self.kind, self.twin, self.next = obj, kind, twin, 0
+        self.place, self.up = place, up  # its own place, and the node holding it
+        self.children, self.meta = kind.children(obj)
+        self.twins = None
+        if twin is not None:
+            again = kind.children(twin)[0]
+        elif not kind.can_write(self.meta):
+            again = kind.children(obj)[0]
+        else:
+            return
+        if len(again) != len(self.children):  # a flatten that changes its mind: all made anew
+            again = [object()] * len(self.children)
+        self.twins = [b if a is not b else None for a, b in zip(self.children, again)]
+
+
+def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError:
+    what = "frozen dataclass" if kind.writable else kind.name
+    if action == "tied.gradient":
+        fix = (
+            "Use explicit mode, which needs no writing: g = tied.grad(lambda m: loss(m))(model), "
+            "or hold the parameter in a mutable container (a list, dict, dataclass or a "
+            "class given to tied.register)."
+        )
+    else:
+        fix = (
+            "Use tied.optim.update, which returns a new model with every tie kept, or hold the "
+            "parameter in a mutable container (a list, dict, non-frozen dataclass or a class "
+            "given to tied.register)."
+        )
+    return GraphError(
+        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"but this place is in a {what} ({type(obj).__name__}), which cannot be "
+        f"changed in place. Nothing was written. {fix}"
+    )
+
+
+def _transient_error(path: str, obj: Any, action: str) -> GraphError:
+    return GraphError(
+        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"but the {type(obj).__name__} holding this parameter place is made anew each time "
+        "the model is walked (the flatten of the JAX pytree node above it builds it), so a "
+        "write into it would not reach the model. Nothing was written. Use tied.grad and "
+        "tied.optim.update, which build a new model, or let the pytree's flatten return the "
+        "container it stores."
+    )
+
+
+# ---------------------------------------------------------------- write plans
+
+# Kinds a write plan may step through: their children are the objects they store (never
+# made anew by a flatten), so the object at a position now is the object a walk would find.
+_PLAIN_STEPS = frozenset(("tuple", "namedtuple"))
+
+
+class WritePlan:
+    """Where `slots` found the places of some unique arrays, as positions from the root.
+
+    Made from one `slots` run on a model of a GraphDef and replayed on any later model of
+    the same GraphDef: each node on the way is reached by its position in its parent's
+    children, and checked to have the type, the children's meta and the number of
+    children seen when the plan was made. A plan never decides anything `slots` decides
+    (errors, cells, made-anew containers): a structure where any of that arises gets no
+    plan. ``find`` returns None at the first difference (the caller then runs `slots`).
+    """
+
+    __slots__ = ("nodes", "places", "n", "writes")
+
+    def __init__(self, nodes: tuple, places: tuple, n: int, writes: tuple = ()):
+        self.nodes = nodes  # (parent's entry or -1, position there, kind, type, meta, length)
+        self.places = places  # (n, container's entry in nodes, position, path)
+        self.n = n
+        self.writes = writes  # (n, container's node record in the GraphDef, position)
+
+    def _resolve(self, model: Any) -> tuple[list, list] | None:
+        """Each node on the way in ``model`` and its meta, or None at the first difference."""
+        n = len(self.nodes)
+        objs: list = [None] * n
+        kids: list = [None] * n
+        metas: list = [None] * n
+        try:
+            for k, (parent, pos, kind, typ, meta, length) in enumerate(self.nodes):
+                obj = model if parent < 0 else kids[parent][pos]
+                if type(obj) is not typ:
+                    return None
+                children, m = kind.children(obj)
+                if len(children) != length or (m is not meta and not bool(m == meta)):
+                    return None
+                objs[k], kids[k], metas[k] = obj, children, m
+        except Exception:  # a container that cannot be read as it was: not this plan's model
+            return None
+        return objs, metas
+
+    def find(self, model: Any) -> list[list[Slot]] | None:
+        """The slots in ``model``, or None if ``model`` differs anywhere on the way."""
+        found = self._resolve(model)
+        if found is None:
+            return None
+        objs, metas = found
+        out: list[list[Slot]] = [[] for _ in range(self.n)]
+        nodes = self.nodes
+        for w, k, i, path in self.places:
+            out[w].append(Slot(path, nodes[k][2], metas[k], objs[k], i))
+        return out
+
+    def write(self, model: Any, values: Sequence[Any]) -> bool:
+        """Put ``values[n]`` at every place of the n-th array in ``model`` (what `write` does
+        with the slots of `find`, without making them); False, with nothing written, if
+        ``model`` differs anywhere on the way."""
+        found = self._resolve(model)
+        if found is None:
+            return False
+        objs, metas = found
+        nodes = self.nodes
+        for w, k, i, _ in self.places:
+            nodes[k][2].setter(metas[k], objs[k], i)(values[w])
+        return True
+
+
+def write_plan(model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool):
+    """`slots`, and a `WritePlan` that finds the same slots in a later model of ``gdef``
+    (None where the structure needs what only `slots` decides: a cell, a made-anew or
+    pytree container on the way). Raises what `slots` raises."""
+    record: list = []
+    out = slots(model, gdef, which, action=action, frozen_ok=frozen_ok, _record=record)
+    if not record:  # nothing wanted
+        return out, WritePlan((), (), len(out))
+    opened = record.pop()
+    places = []
+    needed: dict[int, _Open] = {}
+    for n, j, slot in record:
+        if type(slot) is not Slot:
+            return out, None
+        places.append((n, j, slot._i, slot.path))
+        while j >= 0 and j not in needed:
+            node = opened[j]
+            if node.twin is not None or node.twins is not None and any(t is not None for t in node.twins):
+                return out, None
+            if node.kind.name not in _PLAIN_STEPS and (not node.kind.writable or node.kind.fresh_children):
+                return out, None
+            needed[j] = node
+            j = node.place.parent
+    # A parent is opened (numbered) before its children: in index order, each node's parent
+    # has its entry already.
+    entry = {j: k for k, j in enumerate(sorted(needed))}
+    nodes = tuple(
+        (
+            entry.get(node.place.parent, -1),
+            node.pos,
+            node.kind,
+            type(node.obj),
+            node.meta,
+            len(node.children),
+        )
+        for j, node in sorted(needed.items())
+    )
+    writes = tuple((n, j, i) for n, j, i, _ in places)
+    places = [(n, entry[j], i, path) for n, j, i, path in places]
+    return out, WritePlan(nodes, tuple(places), len(out), writes)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write(places: list[list[Callable[[Any], None]]], values: Sequence[Any]) -> None:
+    """Put ``values[n]`` at every place in ``places[n]``."""
+    for at, v in zip(places, values):
+        for set_place in at:
+            set_place(v)
+
+
+def restore(places: list[list[Slot]], values: Sequence[Any], *, action: str) -> None:
+    """Put ``values`` back at every place, trying every place even if some fail.
+
+    Raises:
+        GraphError: naming each place that could not be written back (the model
+            was changed there while ``action`` ran), after all others were.
+    """
+    failed: list[str] = []
+    first: BaseException | None = None
+    for at, v in zip(places, values):
+        for slot in at:
+            try:
+                slot(v)
+            except Exception as e:
+                failed.append(slot.path or "<root>")
+                first = first or e
+    if failed:
+        raise GraphError(
+            f"{', '.join(failed)}: {action} could not put the original array back here "
+            f"({type(first).__name__}: {first}); the container was changed while it ran. "
+            "Those places may still hold traced values: assign arrays to them."
+        ) from first
+
+
+def check_written(model: Any, gdef: GraphDef, expected: list, places: list[list[Slot]], *, why: str) -> None:
+    """Check that a walk of ``model`` now finds ``expected`` (by identity) with ``gdef``.
+
+    For writes that every reader of the model must see. Raises a `GraphError`
+    naming the first place that does not show what was written, followed by
+    ``why`` (what that means to the caller).
+    """
+    leaves, now = flatten(model)
+    if now == gdef and len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected)):
+        return
+    by_id = {id(x): k for k, x in enumerate(expected)}
+    shown: dict[int, set[str]] = {}
+    for x, paths in zip(leaves, now.leaf_paths()):
+        k = by_id.get(id(x))
+        if k is not None and expected[k] is x:
+            shown.setdefault(k, set()).update(paths)
+    cache: dict = {}
+    for at in places:
+        for slot in at:
+            k = by_id.get(id(slot.get(cache)))
+            if k is None or slot.path not in shown.get(k, ()):
+                raise GraphError(f"{slot.path or '<root>'}: {why}")
+    for k, (x, paths) in enumerate(zip(leaves, now.leaf_paths())):
+        if k >= len(expected) or x is not expected[k]:
+            raise GraphError(f"{paths[0] or '<root>'}: {why}")
+    raise GraphError(f"<root>: {why}")
+
+
+def changed(places: list[list[Slot]], values: Sequence[Any]) -> list[Slot]:
+    """The places that no longer hold what was written there (``values[n]`` for ``places[n]``)."""
+    out = []
+    cache: dict = {}  # containers stay alive in their slots, so their ids stay unique
+    for at, v in zip(places, values):
+        for slot in at:
+            if slot.get(cache) is not v:
+                out.append(slot)
+    return out

@@ -1,0 +1,578 @@
+"""Compiled plans: straight-line Python for one GraphDef's flatten and unflatten.
+
+The generic walk in `_graph` dispatches on every object it meets. Once a
+structure has been seen twice, we generate code that does exactly that
+structure's work: for flatten, a *guarded* plan that checks every fact the walk
+would have established (each node's type, arity, keys and their order, each
+static's type and bits, which places hold the same object and that all others
+are distinct) and gives up (returns None) at the first difference, so a plan can
+never hand back a stale structure; for unflatten, the constructor calls in build
+order.
+
+The generated source is kept on the function (``__tied_source__``) and
+registered with `linecache`, so a traceback through a plan shows its lines.
+Compiling Python costs far more per line than walking a place (some 20 to 50
+times), so plans are bounded: a structure gets its plan on its second sighting
+up to `MAX_PLAN_LINES`, and a larger one (up to `MAX_LARGE_PLAN_LINES`) only
+once it has been seen `LARGE_PLAN_SIGHTINGS` times, when the walks it has cost
+already match the compile (a rent-or-buy rule: a one-off never stalls on a
+compile, a training loop over a huge graph gets its plan after a few steps). With
+``TIED_CHECK_PLANS=1`` (the test suite sets it) `_graph` checks every plan
+against the plain walk.
+
+This file decides nothing about sharing: it replays decisions recorded in a
+GraphDef by the walk. It imports only the core below it (`_kinds`, `_classify`,
+`_graphdef`); `_graph` calls it. A kind with no faster emission here is handled
+through its own ``children``, ``make``, ``shell`` and ``fill``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import linecache
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from ..classify import _STATIC, _array_types, _type_cache
+from ..graphdef import GraphDef, _traverse, rebuild_order, untracked, view_failed
+from ..kinds import (
+    _MUTABLE,
+    DICT,
+    KINDS,
+    LIST,
+    NAMEDTUPLE,
+    OBJ,
+    PYTREE,
+    SLOTS,
+    TUPLE,
+    VIEW,
+    _pytree_def,
+    _registry,
+)
+from ..strict import _same_strict, _strict
+from ..view import View
+from .loops import (
+    EXACT_EQ,
+    flatten_lines,
+    flatten_loop,
+    layout,
+    plain_attributes,
+    unflatten_lines,
+    unflatten_loop,
+    walk_order,
+)
+
+# Python's compile() costs some 20 to 50 times a walk step per generated line, so the
+# graphs worth a plan are bounded: a plan of more lines than this (some 0.1 to 0.3 s of
+# compiling) is not made, and such a graph is always walked. (Compiling a long plan in
+# segments, one per call, was tried: a plan whose segments share a namespace dict runs
+# no faster than the walk.)
+MAX_PLAN_LINES = 8000
+# Measured on 10,000 / 30,000 / 100,000 two-array modules (5 flatten and 4 unflatten
+# lines each): compiling both costs 25-26 walks of the graph (0.9 s / 3.3 s / 12 s), the
+# plans run 5.5x / 3.3x / 2.7x faster than the walk, and compiling peaks at some 2.5 KB
+# of memory per line (+230 MB / +690 MB / +2.4 GB). So: after 32 sightings, up to 60,000
+# lines (some 12,000 such modules, under 300 MB); beyond, always the walk.
+LARGE_PLAN_SIGHTINGS = 32
+MAX_LARGE_PLAN_LINES = 60_000
+
+
+def plan_bound(sightings: int) -> int:
+    """The most generated lines worth compiling for a structure seen ``sightings`` times."""
+    return MAX_LARGE_PLAN_LINES if sightings >= LARGE_PLAN_SIGHTINGS else MAX_PLAN_LINES
+
+
+def flatten_size(gdef: GraphDef) -> int:
+    """About how many lines a flatten plan of ``gdef`` has (a line or more per place outside
+    loops, one loop body per run of identical layers: see `_loops`)."""
+    return flatten_lines(gdef)
+
+
+def unflatten_size(gdef: GraphDef) -> int:
+    """About how many lines an unflatten plan of ``gdef`` has."""
+    return unflatten_lines(gdef)
+
+
+class _Miss(Exception):
+    """The graph differs from the plan's GraphDef."""
+
+
+# What reading a changed graph with an old plan can raise (a missing key or
+# attribute, indexing the wrong type); anything else is a bug and propagates.
+_FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
+
+_counter = itertools.count()
+
+# Kinds whose children a plan reads by key or index (no call that could hand back new objects).
+_READ_BY_KEY = frozenset({LIST, TUPLE, DICT, NAMEDTUPLE} | {k.index for k in KINDS if k.fields_in_dict})
+
+
+def _register_source(source: str, name: str) -> str:
+    filename = f"<tied {name} plan {next(_counter)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    return filename
+
+
+def _compile(source: str, name: str, ns: dict, fn: str) -> Callable:
+    exec(compile(source, _register_source(source, name), "exec"), ns)
+    out = ns[fn]
+    out.__tied_source__ = source
+    return out
+
+
+def _constants(ns: dict, sep: str = "") -> Callable[[Any, str], str]:
+    """A namer of constants for generated code: ``const(value, prefix)`` binds ``value`` in
+    ``ns`` under a fresh name (the prefix, ``sep``, a count) and returns that name."""
+    count = itertools.count()
+
+    def const(value: Any, prefix: str) -> str:
+        name = f"{prefix}{sep}{next(count)}"
+        ns[name] = value
+        return name
+
+    return const
+
+
+def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
+    """(parent node, child position, ref) for every place, in the walk's order."""
+    order = walk_order(gdef)
+    if order is not None:
+        return order
+    return [(parent, i, r) for _, _, r, _, parent, i in _traverse(gdef, paths=False)]
+
+
+# A generated-code emitter: one straight-line plan, one branch per kind of node; split
+# up, every piece would thread the namespace, the emitted lines and the bound locals.
+def compile_flatten(
+    gdef: GraphDef, max_lines: int = MAX_PLAN_LINES, writes: tuple | None = None
+) -> Callable[..., Any] | None:
+    """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made
+    (a static the walk must look into, or a graph too large to be worth compiling).
+
+    Given ``writes`` (``(n, j, i)``: the n-th new value goes to child ``i`` of node
+    record ``j``, for every place of the written arrays), it is instead a guarded
+    write-back, ``f(root, inputs, values)``: the same reading and checks, and the leaves
+    must be ``inputs`` themselves (so they are distinct); only then every place is
+    written, and it returns True (None, having written nothing, where the model is not
+    of this GraphDef or holds other arrays). None is returned, instead of a function,
+    when a written container is read in a loop.
+
+    The code reads every place into a local, then checks what the walk would have
+    established, mostly in a few C-level comparisons at the end: the types of the
+    leaves and of the attribute-holding nodes, their field names in order, the
+    static values (type and bits), and that the objects that were distinct are
+    still distinct. Reading before checking only ever indexes a dict or a list, or
+    reads ``__dict__``: nodes whose reading could run user code (slotted classes,
+    JAX-registered nodes, views) are type-checked before.
+    """
+    for s in gdef.statics:
+        if _type_cache.get(type(s)) is not _STATIC:
+            return None  # an object whose arrays the walk must look for each time
+    if flatten_size(gdef) > max_lines:
+        return None
+    order = _walk_order(gdef)
+    records = gdef.records
+    ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
+    ns["SAME"] = _same_strict
+    ns["is_"], ns["is_not"] = operator.is_, operator.is_not
+    ns["FOL"] = _registry.flatten_one_level
+    ns["chain"] = itertools.chain
+    ns["STR"] = frozenset((str,))
+    lines = ["def plan(root):"]
+    emit = lines.append
+    const = _constants(ns)
+
+    # Expression yielding child i of node q, once node q sits in local n{q}.
+    child_expr: dict[int, list[str]] = {}
+    seen_leaf: set[int] = set()
+    seen_node: set[int] = set()
+    statics: list[str] = []  # locals holding static values, in order
+    static_values: list[Any] = []
+    tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
+    objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
+    bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+    lay = layout(gdef)
+    run_at = {(run.parent, run.start): run for runs in lay.runs.values() for run in runs}
+    # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
+    starts: list[int] = []
+    ends: list[int] = []
+    holders: list[str] = []
+    # A node read by key or index (not through a call) that holds an array no other record
+    # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
+    # node's object, the other's child at that key (read too: every record's children are)
+    # would be that array, which the GraphDef puts there for no other record, so the arrays'
+    # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
+    places = collections.Counter(r for _, _, rs in records for r in rs if r % 3 == 0)
+    own = frozenset(r for r, c in places.items() if c == 1)
+    looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
+    element_slices: list[str] = []
+    skip = 0
+
+    def leaf(q: int) -> str:
+        k = bisect.bisect_right(starts, q) - 1
+        if k >= 0 and q < ends[k]:
+            return f"{holders[k]}[{q - starts[k]}]"
+        return f"l{q}"
+
+    def held(first: int, end: int, holder: str) -> None:
+        starts.append(first)
+        ends.append(end)
+        holders.append(holder)
+        seen_leaf.update(range(first, end))
+
+    def tup(names: list[str]) -> str:
+        return "(" + "".join(f"{x}, " for x in names) + ")"
+
+    if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
+        emit(" TN = []")
+        emit(" tn = TN.extend")
+    for parent, i, r in order:
+        if skip:
+            skip -= 1
+            continue
+        if parent in bulk:
+            continue
+        expr = "root" if parent < 0 else child_expr[parent][i]
+        run = run_at.get((parent, i))
+        if run is not None:  # a run of identical layers: one loop
+            k = len(holders)
+            body, per, check_elements = flatten_loop(gdef, run, k, f"n{parent}", leaf, const)
+            lines.extend(body)
+            held(run.lo, run.lo + run.count * run.leaves, f"R{k}")
+            looped_nodes += per * run.count
+            if check_elements and not untracked(records[run.first]):  # no unique array of
+                # their own tells the elements apart: their identities, a slice of the sequence
+                element_slices.append(f"n{parent}[{run.start}:{run.start + run.count}]")
+                looped_nodes += run.count
+            skip = run.count * run.places - 1
+            continue
+        q, m = divmod(r, 3)
+        if m == 2:
+            statics.append(f"s{q}")
+            static_values.append(gdef.statics[q])
+            emit(f" s{q} = {expr}")
+            continue
+        if m == 0:
+            if q in seen_leaf:
+                emit(f" if {expr} is not {leaf(q)}: raise M")
+            else:
+                seen_leaf.add(q)
+                emit(f" l{q} = {expr}")
+            continue
+        if q in seen_node:  # a later place of a node: the same object
+            emit(f" if {expr} is not n{q}: raise M")
+            continue
+        seen_node.add(q)
+        kind, meta, refs = records[q]
+        n = len(refs)
+        v = f"n{q}"
+        emit(f" {v} = {expr}")
+        if not untracked(records[q]) and not (kind in _READ_BY_KEY and any(map(own.__contains__, refs))):
+            tracked_nodes.append((v, records[q]))
+        if kind == LIST or kind == TUPLE:
+            typ = "list" if kind == LIST else "tuple"
+            emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
+            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+            leaf_qs = [c // 3 for c in refs if c % 3 == 0]
+            if q in lay.bulk:  # arrays all seen here first: the sequence holds them
+                held(leaf_qs[0], leaf_qs[0] + n, v)
+                bulk.add(q)
+            elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
+                if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+                    known = tup([leaf(c) for c in leaf_qs])
+                    emit(f" if not all(map(is_, {v}, {known})): raise M")
+                    bulk.add(q)
+                elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
+                    emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
+                    seen_leaf.update(leaf_qs)
+                    bulk.add(q)
+        elif kind == DICT:
+            keys, order = meta
+            ks = const(keys, "K")
+            inserted = const(keys if order is None else order, "KI")
+            str_keys = all(type(k) is str for k in keys)
+            # The keys in the model's insertion order (which the rebuilt dict keeps).
+            if n and str_keys:
+                # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
+                # the same strings): those are exact str. Else equal, and checked exact str here.
+                emit(
+                    f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
+                    f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
+                )
+            else:
+                emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
+            child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
+            if q in lay.bulk:  # arrays all seen here first: read them in one statement
+                first = refs[0] // 3
+                read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
+                emit(f" RD{q} = {read}")
+                held(first, first + n, f"RD{q}")
+                bulk.add(q)
+            if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
+                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
+                emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
+        elif KINDS[kind].fields_in_dict:
+            objects.append((v, f"d{q}", meta[0], meta[1]))
+            emit(f" d{q} = {v}.__dict__")
+            child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
+        elif kind == NAMEDTUPLE:
+            t = const(meta, "T")
+            emit(f" if type({v}) is not {t} or len({v}) != {n}: raise M")
+            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+        elif kind == PYTREE:
+            t = const(meta[0], "T")
+            aux = const(meta[1], "AUX")
+            saux = const(_strict(meta[1]), "SAUX")
+            emit(f" if type({v}) is not {t}: raise M")
+            emit(f" c{q}, a{q} = FOL({v})")
+            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {aux}, {saux}): raise M")
+            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
+        elif kind == VIEW:
+            fn = const(meta, "FN")
+            sfn = const(_strict(meta), "SFN")
+            emit(f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M")
+            child_expr[q] = [f"{v}.source"]
+        else:  # any other kind: its own children(), its meta compared strictly
+            t = const(KINDS[kind].type_of(meta), "T")
+            ch = const(KINDS[kind].children, "CH")
+            m = const(meta, "MT")
+            smeta = const(_strict(meta), "SM")
+            emit(f" if type({v}) is not {t}: raise M")
+            emit(f" c{q}, a{q} = {ch}({v})")
+            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {m}, {smeta}): raise M")
+            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
+
+    if objects:
+        types = const(tuple(t for _, _, t, _ in objects), "TYPES")
+        emit(f" if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        # The fields in their order (the walk lists them in assignment order), all dicts'
+        # keys in one list (a display: no call per dict): each dict holds its names (read
+        # above), and the same total sequence then means the same keys in the same order in each.
+        names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
+        emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
+    if statics:
+        values = const(tuple(static_values), "SV")
+        emit(f" sv = {tup(statics)}")
+        # An identical object is the same static; anything else must match in type, and in
+        # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
+        # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
+        # compares by identity: a str subclass, a bound method made anew, a user's class).
+        types = const(tuple(type(x) for x in static_values), "ST")
+        plain = [k for k, x in enumerate(static_values) if type(x) in EXACT_EQ]
+        bits = [k for k in range(len(static_values)) if k not in set(plain)]
+        checks = [f"tuple(map(type, sv)) != {types}"]
+        if plain:
+            pv = const(tuple(static_values[k] for k in plain), "PV")
+            checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
+        if bits:
+            bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
+            checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
+        emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
+    emit(f" out = [{', '.join(_segments(gdef.num_leaves, starts, ends, holders))}]")
+    if writes is None:
+        emit(" if not AT.issuperset(map(type, out)): raise M")
+        emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
+    else:  # the very arrays the call was given (distinct, of array types): nothing else
+        emit(" if any(map(is_not, out, INP)): raise M")
+    # Distinct nodes stay distinct. Types are checked above, so objects of the two
+    # groups cannot coincide; those hashed by identity go into a set as they are.
+    by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
+    by_id = [v for v, rec in tracked_nodes if not _identity_hashed(rec)]
+    if looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
+        total = len(tracked_nodes) + looped_nodes
+        looped = ", ".join(["TN", *element_slices])
+        emit(f" if len(set(map(id, chain({tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+    else:
+        if len(by_identity) > 1:
+            emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
+        if len(by_id) > 1:
+            emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
+    ns["FAIL"] = _FAIL
+    if len(lines) > max_lines:
+        return None
+    if writes is None:
+        emit(" return out")
+        lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
+        return _compile("\n".join(lines), "flatten", ns, "guarded")
+    # The writes run once every check has passed, outside the guard: a setter that raises
+    # (a state cell refusing its value) is an error, never a miss after half a write.
+    lines[0] = "def plan(root, INP):"
+    held_locals: list[str] = []
+    puts: list[str] = []
+    setters: dict[int, str] = {}
+    for n, j, i in writes:
+        if j not in seen_node:  # read in a loop: no local holds it
+            return None
+        kind, meta, _ = records[j]
+        by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
+        if kind in (LIST, DICT) or by_dict:
+            # its reading expression is the item its setter assigns (a list's, a dict's, a
+            # __dict__'s: a registered class and a state cell write there)
+            held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
+            puts.append(f" {child_expr[j][i]} = V[{n}]")
+        else:  # the kind's own setter (a state cell checks its value)
+            held_locals.append(f"n{j}")
+            if kind not in setters:
+                setters[kind] = const(KINDS[kind].setter, "SET")
+            puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
+    held_locals = list(dict.fromkeys(held_locals))
+    emit(f" return {tup(held_locals)}")
+    lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
+    lines += ["  return None", f" {tup(held_locals)[1:-1]} = C"]
+    lines += puts
+    lines += [" return True", ""]
+    return _compile("\n".join(lines), "write-back", ns, "guarded")
+
+
+def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
+    """The items of the list of all ``n`` arrays: ``l{q}`` locals, ``*holder`` sequences."""
+    out: list[str] = []
+    q = 0
+    for first, end, holder in zip(starts, ends, holders):
+        out.extend(f"l{x}" for x in range(q, first))
+        out.append(f"*{holder}")
+        q = end
+    out.extend(f"l{x}" for x in range(q, n))
+    return out
+
+
+def _identity_hashed(record: tuple) -> bool:
+    """An attribute-holding node whose class hashes and compares by identity."""
+    if not KINDS[record[0]].fields_in_dict:
+        return False
+    cls = record[1][0]
+    return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
+
+
+# A generated-code emitter (as `compile_flatten`): the constructor calls in build order.
+def compile_unflatten(
+    gdef: GraphDef, materialize: bool, max_lines: int = MAX_PLAN_LINES
+) -> Callable[[Any, Any], Any] | None:
+    """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``
+    (None for a graph too large to be worth compiling: `unflatten` then walks)."""
+    records = gdef.records
+    if unflatten_size(gdef) > max_lines:
+        return None
+    mutable, post = rebuild_order(gdef)
+    ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
+    ns["VF"], ns["G"] = view_failed, gdef
+    lines = ["def build(L, S):"]
+    emit = lines.append
+    lay = layout(gdef)
+    looped = {
+        j
+        for runs in lay.runs.values()
+        for run in runs
+        for j in range(run.first, run.first + run.count * run.nodes)
+    }
+    const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
+
+    def ref(r: int) -> str:
+        q, m = divmod(r, 3)
+        return ("L[{}]", "n{}", "S[{}]")[m].format(q)
+
+    def args(refs: tuple, j: int = -1) -> str:
+        """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
+        consecutive arrays as one slice of ``L``."""
+        items: list[str] = []
+        starts = {run.start: run for run in lay.runs.get(j, ())}
+        i = 0
+        while i < len(refs):
+            run = starts.get(i)
+            if run is not None:
+                items.append(f"*B{run.first}")
+                i += run.count
+                continue
+            r, e = refs[i], i + 1
+            if r % 3 == 0:
+                while e < len(refs) and refs[e] == refs[e - 1] + 3 and (j < 0 or e not in starts):
+                    e += 1
+            if e - i >= 4:
+                items.append(f"*L[{r // 3}:{r // 3 + e - i}]")
+            else:
+                items.extend(ref(x) for x in refs[i:e])
+            i = e
+        return "(" + "".join(f"{x}, " for x in items) + ")"
+
+    for j in mutable:
+        if j in looped:
+            continue
+        kind, meta, _ = records[j]
+        if kind == LIST:
+            emit(f" n{j} = []")
+        elif kind == DICT:
+            emit(f" n{j} = {{}}")
+        elif KINDS[kind].fields_in_dict or kind == SLOTS:
+            ns[f"T{j}"] = meta[0]
+            emit(f" n{j} = new(T{j})")
+        else:
+            ns[f"SH{j}"], ns[f"M{j}"] = KINDS[kind].shell, meta
+            emit(f" n{j} = SH{j}(M{j})")
+
+    def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
+        if kind == LIST:
+            emit(f" n{j}.extend({args(refs, j)})")
+        elif kind == DICT:
+            keys, order = meta
+            if len(refs) > 8 and all(type(k) is str for k in keys):
+                # The keys in the model's order first, from a dict made once (its table copied,
+                # no resizing as keys are added; a str's hash never changes), then the values.
+                ns[f"KD{j}"] = dict.fromkeys(keys if order is None else order)
+                emit(f" n{j}.update(KD{j})")
+            elif order is not None and j in lay.bulk:  # keys in the model's order, then values
+                ns[f"KI{j}"] = order
+                emit(f" n{j}.update(dict.fromkeys(KI{j}))")
+            elif order is not None:  # fill in the model's insertion order
+                position = {k: i for i, k in enumerate(keys)}
+                keys, refs = order, tuple(refs[position[k]] for k in order)
+            ns[f"K{j}"] = keys
+            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
+        elif KINDS[kind].fields_in_dict and plain_attributes(meta[0], meta[1]):
+            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
+                emit(f" n{j}.{name} = {ref(r)}")
+        elif KINDS[kind].fields_in_dict:
+            ns[f"N{j}"] = meta[1]
+            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
+        else:
+            ns[f"FL{j}"], ns[f"M{j}"] = KINDS[kind].fill, meta
+            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
+
+    # Children before parents: a mutable node is filled, an immutable one built, once
+    # its children are complete (shells above stand in on a cycle).
+    for j in post:
+        if j in looped:
+            continue
+        kind, meta, refs = records[j]
+        for run in lay.runs.get(j, ()):  # runs of identical layers: one loop each
+            lines.extend(unflatten_loop(gdef, run, run.first, const))
+        if kind in _MUTABLE:
+            if refs:
+                fill(j, kind, meta, refs)
+        elif kind == TUPLE:
+            emit(f" n{j} = {args(refs, j)}")
+        elif kind == NAMEDTUPLE:
+            ns[f"T{j}"] = meta
+            emit(f" n{j} = T{j}(*{args(refs)})")
+        elif kind == PYTREE:
+            ns[f"P{j}"] = _pytree_def(meta, len(refs))
+            emit(f" n{j} = P{j}.unflatten({args(refs)})")
+        elif materialize and KINDS[kind].materializes:
+            ns[f"MZ{j}"], ns[f"M{j}"] = KINDS[kind].materialize, meta
+            emit(f" s{j} = {ref(refs[0])}")
+            emit(" try:")
+            emit(f"  n{j} = MZ{j}(M{j}, [s{j}])")
+            emit(" except Exception as e:")
+            emit(f"  raise VF(G, {j}, M{j}, s{j}, e) from e")
+        elif kind == VIEW:
+            ns[f"F{j}"] = meta
+            emit(f" n{j} = View({ref(refs[0])}, F{j})")
+        else:
+            ns[f"MK{j}"], ns[f"M{j}"] = KINDS[kind].make, meta
+            emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
+    if len(lines) > max_lines:
+        return None
+    emit(f" return {ref(gdef.root)}")
+    return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")

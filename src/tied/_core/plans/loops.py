@@ -1,0 +1,521 @@
+"""Loops in compiled plans: a run of identical layers is read and rebuilt by one loop.
+
+A model of many layers repeats a few layouts: a list of 1,000 blocks, each of the
+same classes with the same field names and statics, each holding its own arrays
+(and perhaps an array or a node held by all of them: a shared bias, a shared
+embedding). A straight-line plan spends a line per place, and compiling Python
+costs far more per line than walking a place, so such plans had to be bounded.
+Here we find, in a GraphDef, the runs of consecutive children of a list or a tuple
+whose subtrees are the same up to where their arrays and statics are numbered;
+`_plan` then emits one loop per run, its body one element's code. A plan's size is
+then that of the model's distinct layouts, not of its depth.
+
+An element joins a run only if its subtree is *closed* (no node inside it has a
+place outside it, so nothing else needs its objects by name), it holds no reference
+back to a node still open above it (a cycle), and each of its nodes is of a kind the
+loop bodies emit. Its arrays may have places elsewhere too, and it may hold arrays
+and nodes from outside: those are references by absolute index, equal in every
+element of a run.
+
+This module decides nothing about sharing: it reads what a GraphDef records. Its
+only user is `_plan`, whose plans `_graph` checks against the walk.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ..graphdef import GraphDef, untracked
+from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, TUPLE, _pytree_def
+from ..strict import _strict
+
+# Fewer elements than this are not worth a loop (straight lines are as short).
+LOOP_MIN = 4
+# An element of more records than this is not looped (a chain of nested lists would have
+# each level's whole subtree compared at every level above it).
+MAX_ELEMENT_RECORDS = 512
+# A graph of at most this many places is read and built in straight lines, which run some
+# 10 to 20% faster than loops; beyond, compiling them would cost more than it saves.
+LOOP_PLACES = 1000
+# A list, tuple or dict of at least this many arrays seen there first is read in one statement.
+BULK_MIN = 8
+_OBJECTS = frozenset(k.index for k in KINDS if k.fields_in_dict)
+_BODY_KINDS = frozenset({LIST, DICT, TUPLE, NAMEDTUPLE, PYTREE}) | _OBJECTS
+_LOOP_BUG = "tied: an unflatten plan's loop built a wrong number of layers (a bug in tied; please report it)"
+# Statics whose == is exact: the same type and == mean the same value. Any other static that
+# is not the very object recorded is compared by its strict key (type and bits; identity
+# for the objects whose == is not trusted), as GraphDefs compare.
+EXACT_EQ = frozenset({str, int, bool, type(None)})
+
+
+class Run(NamedTuple):
+    """Consecutive children of a list or tuple with one layout, read and built by one loop."""
+
+    parent: int  # the list or tuple node
+    start: int  # the position of the run's first element among the parent's children
+    count: int  # elements
+    first: int  # the record of the first element's root
+    nodes: int  # records per element
+    lo: int  # the first array first seen in the run
+    leaves: int  # arrays first seen per element
+    slo: int  # the first static of the run
+    statics: int  # statics per element
+    places: int  # places per element, its own included
+    unique: tuple  # per array of its own (in order): whether it has no other place in the graph
+
+
+class Layout(NamedTuple):
+    """What `_plan` needs of a GraphDef's repeats: its runs, by parent, and its bulk nodes."""
+
+    runs: dict[int, tuple[Run, ...]]
+    bulk: frozenset  # lists, tuples and dicts whose children are all arrays seen there first
+    places: int  # every place of the graph
+    looped_places: int  # places inside runs
+    looped_records: int
+    looped_leaves: int
+
+
+def walk_order(gdef: GraphDef) -> list | None:
+    """``(parent, position, reference)`` for every place of a walk's GraphDef, in the walk's
+    order (None for a GraphDef numbered otherwise)."""
+    global _recent
+    recent = _recent
+    if recent is not None and recent[0] is gdef:  # the replay `layout` has just made
+        _recent = None
+        return recent[1]
+    ext = _extents(gdef)
+    return None if ext is None else ext.order
+
+
+# The walk order of the GraphDef whose layout was found last: a plan is compiled right after
+# (the replay costs about a µs a place). One GraphDef at most is held, and only until then.
+_recent: tuple | None = None
+
+
+def layout(gdef: GraphDef) -> Layout:
+    """The runs and bulk nodes of ``gdef`` (computed once, kept with its plans)."""
+    out = gdef._plans.get("layout")
+    if out is None:
+        out = gdef._plans["layout"] = _find(gdef)
+    return out
+
+
+def flatten_lines(gdef: GraphDef) -> int:
+    """About how many lines a flatten plan of ``gdef`` has."""
+    lay = layout(gdef)
+    bulk = sum(len(gdef.records[j][2]) - 1 for j in lay.bulk)
+    bodies = sum(r.places + 4 for runs in lay.runs.values() for r in runs)
+    return 1 + lay.places - lay.looped_places - bulk + bodies
+
+
+def unflatten_lines(gdef: GraphDef) -> int:
+    """About how many lines an unflatten plan of ``gdef`` has."""
+    lay = layout(gdef)
+    bulk = sum(len(gdef.records[j][2]) - 1 for j in lay.bulk)
+    bodies = sum(r.nodes + r.leaves + 4 for runs in lay.runs.values() for r in runs)
+    straight = len(gdef.records) + gdef.num_leaves - lay.looped_records - lay.looped_leaves
+    return straight - bulk + bodies
+
+
+class _Extents(NamedTuple):
+    start: list  # node -> (its first place, leaves and statics seen before it)
+    end: list  # node -> (places, records, leaves, statics seen when the walk leaves it)
+    refcount: list  # node -> its places
+    leaf_places: list  # array -> its places
+    bulk: frozenset
+    order: list  # (parent, position, reference) for every place, in the walk's order
+
+
+def _extents(gdef: GraphDef) -> _Extents | None:
+    """Replays the walk on the records. In a walk's GraphDef an array or a node is met for
+    the first time exactly when its index is the count of those met so far; a GraphDef
+    numbered otherwise (an expansion's) gets None: no runs, no bulk reads."""
+    records = gdef.records
+    n = len(records)
+    seen_leaf = bytearray(gdef.num_leaves)
+    seen_node = bytearray(n)
+    start: list = [None] * n
+    end: list = [None] * n
+    refcount = [0] * n
+    leaf_places = [0] * gdef.num_leaves
+    all_new = [True] * n  # every child an array seen there first
+    order: list = [(-1, 0, gdef.root)]
+    leaves = statics = nodes = 0
+    p = 1
+    stack: list[list[int]] = []
+    if gdef.root % 3 == 1:
+        if gdef.root != 1:
+            return None
+        refcount[0], start[0], nodes, seen_node[0] = 1, (0, 0, 0), 1, 1
+        stack.append([0, 0])
+    while stack:
+        frame = stack[-1]
+        j, i = frame
+        refs = records[j][2]
+        if i == len(refs):
+            stack.pop()
+            end[j] = (p, nodes, leaves, statics)
+            continue
+        frame[1] = i + 1
+        r = refs[i]
+        order.append((j, i, r))
+        p += 1
+        x, m = divmod(r, 3)
+        if m == 0:
+            leaf_places[x] += 1
+            if seen_leaf[x]:
+                all_new[j] = False
+            elif x != leaves:
+                return None
+            else:
+                seen_leaf[x] = 1
+                leaves += 1
+            continue
+        all_new[j] = False
+        if m == 2:
+            if x != statics:  # statics numbered by place, in walk order
+                return None
+            statics += 1
+            continue
+        refcount[x] += 1
+        if not seen_node[x]:
+            if x != nodes:
+                return None
+            seen_node[x] = 1
+            start[x] = (p - 1, leaves, statics)
+            nodes += 1
+            stack.append([x, 0])
+    kinds = (LIST, TUPLE, DICT)
+    bulk = frozenset(
+        j
+        for j, (k, _, refs) in enumerate(gdef.records)
+        if all_new[j] and k in kinds and len(refs) >= BULK_MIN
+    )
+    return _Extents(start, end, refcount, leaf_places, bulk, order)
+
+
+def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
+    """The layout of the subtree at node ``j`` (None if it cannot join a run): its
+    records with references renumbered from its own first record, array and static."""
+    if ext.refcount[j] != 1 or ext.start[j] is None:
+        return None
+    p0, lo, slo = ext.start[j]
+    p1, ne, hi, shi = ext.end[j]
+    if ne - j > MAX_ELEMENT_RECORDS:
+        return None
+    records, strict_records, strict_statics = gdef.records, key[2], key[3]
+    inside = outside_places = 0
+    # Which of its own arrays have no other place in the whole graph (see flatten_loop).
+    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
+    for jj in range(j, ne):
+        kind, _, refs = records[jj]
+        if kind not in _BODY_KINDS:
+            return None
+        if jj > j:
+            outside_places += ext.refcount[jj]
+        mapped = []
+        for r in refs:
+            x, m = divmod(r, 3)
+            if m == 0:
+                mapped.append(("l", x - lo) if lo <= x < hi else ("L", x))
+            elif m == 1:
+                if j <= x < ne:
+                    if x <= jj:  # back to a node above (a cycle), or shared inside: not looped
+                        return None
+                    inside += 1
+                    mapped.append(("n", x - j))
+                else:
+                    mapped.append(("N", x))
+            else:
+                mapped.append(("s", strict_statics[x]))
+        sig.append((kind, strict_records[jj][1], tuple(mapped)))
+    if inside != outside_places:
+        return None  # a node inside has a place outside
+    return tuple(sig)
+
+
+def _find(gdef: GraphDef) -> Layout:
+    global _recent
+    records = gdef.records
+    ext = _extents(gdef)
+    if ext is None:
+        return Layout({}, frozenset(), sum(len(rec[2]) for rec in records) + 1, 0, 0, 0)
+    _recent = (gdef, ext.order)
+    key = gdef._key()
+    runs: dict[int, tuple[Run, ...]] = {}
+    looped = [0, 0, 0]  # places, records, leaves
+    places = sum(len(rec[2]) for rec in records) + 1
+    for q, (kind, _, refs) in enumerate(records):
+        if places <= LOOP_PLACES or kind not in (LIST, TUPLE) or len(refs) < LOOP_MIN:
+            continue
+        found: list[Run] = []
+        members: list[int] = []
+        prev = None
+        worth = _worth_comparing(ext, refs)
+        for i, r in enumerate((*refs, None)):
+            sig = _element(gdef, ext, r // 3, key) if i in worth else None
+            if sig is not None and sig == prev:
+                members.append(i)
+                continue
+            if len(members) >= LOOP_MIN:
+                found.append(_run(ext, q, members, refs))
+            members, prev = ([i], sig) if sig is not None else ([], None)
+        if found:
+            runs[q] = tuple(found)
+            for run in found:
+                looped[0] += run.count * run.places
+                looped[1] += run.count * run.nodes
+                looped[2] += run.count * run.leaves
+    return Layout(runs, ext.bulk, places, *looped)
+
+
+def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
+    """The positions of children that sit in a run of at least `LOOP_MIN` nodes first met
+    there whose subtrees have the same sizes: only those are compared in full."""
+    sizes = []
+    for r in refs:
+        j = r // 3
+        if r % 3 != 1 or ext.refcount[j] != 1 or ext.start[j] is None:
+            sizes.append(None)
+            continue
+        p0, lo, slo = ext.start[j]
+        p1, ne, hi, shi = ext.end[j]
+        sizes.append((ne - j, hi - lo, shi - slo, p1 - p0))
+    out: set[int] = set()
+    i = 0
+    while i < len(sizes):
+        e = i + 1
+        while e < len(sizes) and sizes[i] is not None and sizes[e] == sizes[i]:
+            e += 1
+        if sizes[i] is not None and e - i >= LOOP_MIN:
+            out.update(range(i, e))
+        i = e
+    return out
+
+
+def _run(ext: _Extents, parent: int, members: list[int], refs: tuple) -> Run:
+    j = refs[members[0]] // 3
+    p0, lo, slo = ext.start[j]
+    p1, ne, hi, shi = ext.end[j]
+    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
+
+
+def static_check(s: str, value: Any, const: Callable[[Any, str], str]) -> str:
+    """A condition, true when the static read into ``s`` differs from ``value`` (type and bits)."""
+    sv, st = const(value, "SV"), const(type(value), "ST")
+    if type(value) not in EXACT_EQ:
+        return f"{s} is not {sv} and (type({s}) is not {st} or STRICT({s}) != {const(_strict(value), 'BV')})"
+    return f"{s} is not {sv} and (type({s}) is not {st} or {s} != {sv})"
+
+
+def plain_attributes(cls: type, names: tuple) -> bool:
+    """Whether ``obj.name = value`` on a fresh instance only stores into its ``__dict__``:
+    no custom ``__setattr__`` (frozen dataclasses have one), no descriptor of that name."""
+    if getattr(cls, "__setattr__", None) is not object.__setattr__:
+        return False
+    for name in names:
+        if not (isinstance(name, str) and name.isidentifier()) or keyword.iskeyword(name):
+            return False
+        if name.startswith("__"):
+            return False
+        if hasattr(type(getattr(cls, name, None)), "__set__"):
+            return False
+    return True
+
+
+# A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
+def flatten_loop(
+    gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
+) -> tuple[list[str], int, bool]:
+    """Lines reading the elements of ``run`` (the list or tuple in local ``seq``) into ``R{k}``
+    (the arrays first seen in them, in walk order), and the nodes inside each element whose
+    identity must be checked into ``TN``: the lines, how many such nodes per element, and
+    whether the elements themselves must have their identities checked.
+
+    A node holding (below it, in the element) an array of its own that has no other place in
+    the graph needs no identity check: were it another place's object, that array would be
+    read at two places, and the plan reads it as new at one of them, so the arrays' distinct
+    check fails. A node without one is checked by identity."""
+    records = gdef.records
+    j0, lo, hi = run.first, run.lo, run.lo + run.leaves
+    lines = [f" R{k} = []", f" rx{k} = R{k}.extend", f" ra{k} = R{k}.append"]
+    lines.append(f" for x_ in {seq}[{run.start}:{run.start + run.count}]:")
+    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    uses: dict[int, int] = {}
+    for jj in range(j0, j0 + run.nodes):
+        for r in records[jj][2]:
+            if r % 3 == 0:
+                uses[r // 3] = uses.get(r // 3, 0) + 1
+    new: list[str] = []
+    bound: dict[int, str] = {}
+    names = {j0: "x_"}
+    tracked: list[str] = []  # nodes inside the element (the elements are checked as a slice)
+
+    def enter(j: int, v: str) -> list:
+        """Emit the checks of node ``j`` (in local ``v``); the expressions of its children."""
+        kind, meta, refs = records[j]
+        n, rel = len(refs), j - j0
+        if kind in (LIST, TUPLE):
+            emit(f"if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
+            return [f"{v}[{i}]" for i in range(n)]
+        if kind == DICT:
+            keys, order = meta
+            ks = const(keys, "K")
+            ki = const(keys if order is None else order, "KI")
+            emit(f"if type({v}) is not dict or tuple({v}) != {ki}: raise M")
+            if all(type(key) is str for key in keys):
+                if n:
+                    emit(f"if not STR.issuperset(map(type, {v})): raise M")
+            else:
+                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
+                emit(f"if tuple(map(STRICT, {v})) != {sk}: raise M")
+            return [f"{v}[{ks}[{i}]]" for i in range(n)]
+        if kind == NAMEDTUPLE:
+            emit(f"if type({v}) is not {const(meta, 'T')} or len({v}) != {n}: raise M")
+            return [f"{v}[{i}]" for i in range(n)]
+        if kind == PYTREE:
+            emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
+            emit(f"xc{rel}, xa{rel} = FOL({v})")
+            aux, saux = const(meta[1], "AUX"), const(_strict(meta[1]), "SAUX")
+            emit(f"if len(xc{rel}) != {n} or not SAME(xa{rel}, {aux}, {saux}): raise M")
+            return [f"xc{rel}[{i}]" for i in range(n)]
+        # an attribute-holding node: its field names in order, then its values in one statement
+        emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
+        emit(f"xd{rel} = {v}.__dict__")
+        if not n:
+            emit(f"if xd{rel}: raise M")
+            return []
+        keys = [f"xk{rel}_{i}" for i in range(n)]
+        emit(f"{', '.join(keys)}, = xd{rel}")
+        names = [const(name, "FN") for name in meta[1]]
+        emit(f"if {' or '.join(f'{a} != {b}' for a, b in zip(keys, names))}: raise M")
+        values = [f"xv{rel}_{i}" for i in range(n)]
+        emit(f"{', '.join(values)}, = xd{rel}.values()")
+        return values
+
+    # The walk's order, depth first, so that arrays are collected in the order it numbers them.
+    # A frame: [children's expressions, refs, next child, local, holds an own array that has
+    # no other place in the graph, record].
+    stack: list[list] = [[enter(j0, "x_"), records[j0][2], 0, "x_", False, j0]]
+    top = stack[0]
+    while stack:
+        frame = stack[-1]
+        exprs, refs, i = frame[:3]
+        if i == len(refs):
+            stack.pop()
+            if frame[4] and stack:
+                stack[-1][4] = True
+            elif not frame[4] and stack and not untracked(records[frame[5]]):
+                # A node holding no array of its own: nothing else tells it apart from
+                # another place's object, so its identity is checked. (One holding an own
+                # array cannot be another place's object: that array would then be read
+                # twice, and the arrays are checked distinct.)
+                tracked.append(frame[3])
+            continue
+        frame[2] = i + 1
+        e = exprs[i]
+        x, m = divmod(refs[i], 3)
+        if m == 2:
+            emit(f"xs = {e}")
+            emit(f"if {static_check('xs', gdef.statics[x], const)}: raise M")
+        elif m == 0 and lo <= x < hi:
+            if x in bound:
+                emit(f"if {e} is not {bound[x]}: raise M")
+            elif uses[x] > 1:
+                bound[x] = f"xe{x - lo}"
+                emit(f"xe{x - lo} = {e}")
+                new.append(f"xe{x - lo}")
+            else:
+                bound[x] = e
+                new.append(e)
+            if run.unique[x - lo]:
+                frame[4] = True
+        elif m == 0:
+            emit(f"if {e} is not {leaf(x)}: raise M")
+        elif not j0 <= x < j0 + run.nodes:
+            emit(f"if {e} is not n{x}: raise M")
+        elif x in names:
+            emit(f"if {e} is not {names[x]}: raise M")
+        else:
+            names[x] = f"xy{x - j0}"
+            emit(f"xy{x - j0} = {e}")
+            stack.append([enter(x, names[x]), records[x][2], 0, names[x], False, x])
+    if len(new) == 1:
+        emit(f"ra{k}({new[0]})")
+    elif new:
+        emit(f"rx{k}(({''.join(f'{e}, ' for e in new)}))")
+    if tracked:
+        emit(f"tn(({''.join(f'{e}, ' for e in tracked)}))")
+    return lines, len(tracked), not top[4]
+
+
+# A generated-code emitter (as `_plan.compile_unflatten`): one element's construction, per kind.
+def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str], str]) -> list[str]:
+    """Lines building the elements of ``run`` into the list ``B{k}``, in order."""
+    records = gdef.records
+    j0, lo, hi, slo = run.first, run.lo, run.lo + run.leaves, run.slo
+    # Each element's own arrays and statics: one strided slice per position in the element.
+    own = [f"L[{lo + i}:{lo + i + run.count * run.leaves}:{run.leaves}]" for i in range(run.leaves)]
+    own += [f"S[{slo + i}:{slo + i + run.count * run.statics}:{run.statics}]" for i in range(run.statics)]
+    lines = [f" B{k} = []", f" ba{k} = B{k}.append"]
+    if own:
+        targets = [f"lv{i}" for i in range(run.leaves)] + [f"sv{i}" for i in range(run.statics)]
+        lines.append(f" for {', '.join(targets)}, in zip({', '.join(own)}, strict=True):")
+    else:
+        lines.append(f" for _ in range({run.count}):")
+    body: list[str] = []
+    names: dict[int, str] = {}
+
+    def ref(r: int) -> str:
+        x, m = divmod(r, 3)
+        if m == 0:
+            return f"lv{x - lo}" if lo <= x < hi else f"L[{x}]"
+        if m == 2:
+            return f"sv{x - slo}"
+        return names[x] if j0 <= x < j0 + run.nodes else f"n{x}"
+
+    # Post order (children first); the element has no cycle, so no shells are needed.
+    stack: list[tuple[int, bool]] = [(j0, False)]
+    while stack:
+        j, ready = stack.pop()
+        if j in names:
+            continue
+        kind, meta, refs = records[j]
+        inner = [r // 3 for r in refs if r % 3 == 1 and j0 <= r // 3 < j0 + run.nodes]
+        if not ready:
+            stack.append((j, True))
+            stack.extend((c, False) for c in reversed(inner) if c not in names)
+            continue
+        y = names[j] = f"yb{j - j0}"
+        args = "(" + "".join(f"{ref(r)}, " for r in refs) + ")"
+        if kind == LIST:
+            body.append(f"{y} = [{args[1:-1]}]")
+        elif kind == TUPLE:
+            body.append(f"{y} = {args}")
+        elif kind == DICT:
+            keys, order = meta
+            if order is not None:
+                position = {key: i for i, key in enumerate(keys)}
+                keys = order
+                args = "(" + "".join(f"{ref(refs[position[key]])}, " for key in order) + ")"
+            body.append(f"{y} = dict(zip({const(keys, 'K')}, {args}))")
+        elif kind == NAMEDTUPLE:
+            body.append(f"{y} = {const(meta, 'T')}(*{args})")
+        elif kind == PYTREE:
+            body.append(f"{y} = {const(_pytree_def(meta, len(refs)), 'P')}.unflatten({args})")
+        else:
+            body.append(f"{y} = new({const(meta[0], 'T')})")
+            if plain_attributes(meta[0], meta[1]):
+                body.extend(f"{y}.{name} = {ref(r)}" for name, r in zip(meta[1], refs))
+            else:
+                body.append(f"{y}.__dict__.update(zip({const(tuple(meta[1]), 'N')}, {args}))")
+    body.append(f"ba{k}(yb0)")
+    return (
+        lines
+        + ["  " + line for line in body]
+        + [f" if len(B{k}) != {run.count}: raise AssertionError({_LOOP_BUG!r})"]
+    )

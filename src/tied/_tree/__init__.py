@@ -1,0 +1,23 @@
+"""Tree tools over the core: `map`, surgery by path (`tie`, `untie`, `replace`), inspection
+(`summary`, `param_count`, `to_dot`). See README.md beside this file.
+"""
+
+from .inspect import param_count, print_summary, render_dot, summary, to_dot
+from .map import map
+from .surgery import PathError, Places, get, put, replace, tie, untie
+
+__all__ = [
+    "PathError",
+    "Places",
+    "get",
+    "map",
+    "param_count",
+    "print_summary",
+    "put",
+    "render_dot",
+    "replace",
+    "summary",
+    "tie",
+    "to_dot",
+    "untie",
+]
