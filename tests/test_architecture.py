@@ -137,7 +137,8 @@ def _function_lengths(tree: ast.Module) -> dict[str, int]:
 
 def test_the_checks_see_every_folder():
     names = set(_modules())
-    assert {"_core.graph", "_core.plans.compile", "_transforms.jit", "_checkpoint.manager", "_tree.map"} <= names
+    assert {"_core.graph", "_core.plans.compile", "_transforms.jit", "_checkpoint.manager"} <= names
+    assert "_tree.map" in names
     assert {"nn", "optim", "_core", "_core.plans"} <= names  # packages, through their __init__
 
 
@@ -240,13 +241,13 @@ def test_a_module_takes_from_another_folder_only_what_its_init_exports():
         for who, where, name in _cross_folder_imports()
         if where != _folder(where) or name not in _exports(where)
     ]
-    assert bad == [], "import these through the folder's __init__ (and add them to its __all__):\n" + "\n".join(
-        bad
-    )
+    fix = "import these through the folder's __init__ (and add them to its __all__):\n"
+    assert bad == [], fix + "\n".join(bad)
 
 
 def test_no_underscore_name_is_imported_across_folders():
-    bad = [f"{who}: {name} from {where}" for who, where, name in _cross_folder_imports() if name.startswith("_")]
+    found = _cross_folder_imports()
+    bad = [f"{who}: {name} from {where}" for who, where, name in found if name.startswith("_")]
     assert bad == [], bad
 
 

@@ -15,6 +15,7 @@ from ._checkpoint import CheckpointError, CheckpointManager, load, load_metadata
 from ._core import (
     GraphDef,
     GraphError,
+    ModelChangedError,
     Rng,
     State,
     View,
@@ -69,6 +70,7 @@ __all__ = [
     "Graph",
     "GraphDef",
     "GraphError",
+    "ModelChangedError",
     "Grads",
     "Params",
     "PathError",

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from .._core import Located
+
 __all__ = [
     "CheckpointError",
     "Manifest",
@@ -43,7 +45,7 @@ _MAX_PATH_CHARS = 1 << 30  # the most characters a stored place table may unfold
 _MAX_NDIM = 64
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Located, ValueError):
     """A checkpoint that cannot be written or read into the given model; the message says why and where.
 
     Examples:

@@ -4,6 +4,7 @@ and writing into live objects. See README.md beside this file.
 """
 
 from .classify import register, register_state
+from .errors import Located, ModelChangedError
 from .graph import flatten, flatten_with, is_state, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
 from .kinds import KIND_BY_NAME, GraphError
@@ -29,6 +30,8 @@ __all__ = [
     "GraphDef",
     "GraphError",
     "KIND_BY_NAME",
+    "Located",
+    "ModelChangedError",
     "Rng",
     "State",
     "Trainable",

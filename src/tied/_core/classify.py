@@ -345,11 +345,10 @@ def _unknown_static(x: Any) -> None:
             "(a dataclass, an Equinox module or a JAX-registered pytree needs nothing)."
         )
 
-    def message(path: str) -> str:
-        return (
-            f"{path}: an object of unregistered class {name} holds arrays, and tied would "
-            f"drop them as a static leaf. Register the class so tied walks it: {fix}"
-        )
+    message = (
+        f"an object of unregistered class {name} holds arrays, and tied would "
+        f"drop them as a static leaf. Register the class so tied walks it: {fix}"
+    )
 
     raise _WalkError(message)
 

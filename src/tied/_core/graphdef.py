@@ -19,6 +19,7 @@ import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from .errors import where
 from .kinds import _MUTABLE, KINDS, VIEW, GraphError, _as_is
 from .strict import _strict
 
@@ -146,10 +147,11 @@ class GraphDef:
                 hash(s)
             except TypeError:
                 return GraphError(
-                    f"{paths.statics[k] or '<root>'}: static field of type {type(s).__name__} is not "
+                    f"static field of type {type(s).__name__} is not "
                     "hashable, but tied.jit and tied.Graph key their cache on static fields. Make it "
                     "hashable (a tuple instead of a list, a frozen dataclass), or hold it as an "
-                    "array if it is data."
+                    "array if it is data.",
+                    paths.statics[k],
                 )
         return GraphError("a node's static metadata is not hashable; tied.jit needs it hashable.")
 
@@ -331,10 +333,11 @@ def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
             elif seen[0] != above:
                 s, p = (seen[1], path) if seen[0] else (path, seen[1])
                 raise GraphError(
-                    f"{p or '<root>'} and {s or '<root>'}: one array is both a parameter place and "
-                    f"a state place (below a state cell at {s or '<root>'}). State changes when "
+                    f"one array is both a parameter place (here) and a state place (at {where(s)}, "
+                    "below a state cell). State changes when "
                     "the model runs and is never trained, so the two cannot be one object: give the "
-                    "state its own array (e.g. jnp.array(x) copies it)."
+                    "state its own array (e.g. jnp.array(x) copies it).",
+                    p,
                 )
     return tuple(bool(s and s[0]) for s in state)
 
@@ -394,9 +397,10 @@ def _traverse(
                 yield child, depth, r, first, j, i
                 continue
             raise GraphError(
-                f"{child}: this node is on a reference cycle, so it has infinitely many places "
+                "this node is on a reference cycle, so it has infinitely many places "
                 "and per-place values cannot be formed. Use the aliased totals "
-                "(per_location=False)."
+                "(per_location=False).",
+                child,
             )
         yield child, depth, r, first, j, i
         if first or expand_shared:
@@ -555,5 +559,4 @@ def _view_error(fn, source, e) -> GraphError:
 
 def view_failed(gdef: GraphDef, j: int, fn: Any, source: Any, e: Exception) -> GraphError:
     """The error for view node ``j`` whose function failed, naming the view's path."""
-    where = place_paths(gdef).nodes[j][0] or "<root>"
-    return GraphError(f"{where}: {_view_error(fn, source, e)}")
+    return GraphError(_view_error(fn, source, e), place_paths(gdef).nodes[j][0])

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from .errors import Located
 from .state import is_nnx_variable, is_state_type
 from .strict import _strict
 from .view import View
@@ -35,8 +36,9 @@ _SequenceKey = jax.tree_util.SequenceKey
 _slotted_dataclasses: set[type] = set()  # filled by `_classify`: dataclasses with __slots__
 
 
-class GraphError(TypeError):
-    """A model that `tied` cannot walk or rebuild; the message names the path and the fix.
+class GraphError(Located, TypeError):
+    """A model that `tied` cannot walk or rebuild; the message names the path and the fix
+    (``.path`` and ``.reason`` carry them apart, see `_core/errors.py`).
 
     Examples:
         >>> import jax.numpy as jnp, tied
@@ -58,12 +60,12 @@ class GraphError(TypeError):
 class _WalkError(Exception):
     """An error met in the walk; the walk adds the path before raising it."""
 
-    def __init__(self, make_message: Callable[[str], str], exc_type: type = GraphError):
-        self.make_message = make_message
+    def __init__(self, reason: str, exc_type: type = GraphError):
+        self.reason = reason
         self.exc_type = exc_type
 
     def finish(self, path: str) -> Exception:
-        return self.exc_type(self.make_message(path or "<root>"))
+        return self.exc_type(self.reason, path)
 
 
 class _Mismatch(Exception):

@@ -125,9 +125,10 @@ def slots(
             obj, twin, node, pos = model, None, None, -1
             if place.kind == "array" and place.index in wanted:
                 raise GraphError(
-                    f"<root>: {action} writes new arrays into the model's containers, but the "
+                    f"{action} writes new arrays into the model's containers, but the "
                     "model is a bare array. Hold it in a container (a list, dict or "
-                    "registered class)."
+                    "registered class).",
+                    "",
                 )
         else:
             node = opened[place.parent]
@@ -254,20 +255,22 @@ def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError
             "given to tied.register)."
         )
     return GraphError(
-        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"{action} writes new arrays into the model's own containers, "
         f"but this place is in a {what} ({type(obj).__name__}), which cannot be "
-        f"changed in place. Nothing was written. {fix}"
+        f"changed in place. Nothing was written. {fix}",
+        path,
     )
 
 
 def _transient_error(path: str, obj: Any, action: str) -> GraphError:
     return GraphError(
-        f"{path or '<root>'}: {action} writes new arrays into the model's own containers, "
+        f"{action} writes new arrays into the model's own containers, "
         f"but the {type(obj).__name__} holding this parameter place is made anew each time "
         "the model is walked (the flatten of the JAX pytree node above it builds it), so a "
         "write into it would not reach the model. Nothing was written. Use tied.grad and "
         "tied.optim.update, which build a new model, or let the pytree's flatten return the "
-        "container it stores."
+        "container it stores.",
+        path,
     )
 
 
@@ -439,11 +442,11 @@ def check_written(model: Any, gdef: GraphDef, expected: list, places: list[list[
         for slot in at:
             k = by_id.get(id(slot.get(cache)))
             if k is None or slot.path not in shown.get(k, ()):
-                raise GraphError(f"{slot.path or '<root>'}: {why}")
+                raise GraphError(why, slot.path)
     for k, (x, paths) in enumerate(zip(leaves, now.leaf_paths())):
         if k >= len(expected) or x is not expected[k]:
-            raise GraphError(f"{paths[0] or '<root>'}: {why}")
-    raise GraphError(f"<root>: {why}")
+            raise GraphError(why, paths[0])
+    raise GraphError(why, "")
 
 
 def changed(places: list[list[Slot]], values: Sequence[Any]) -> list[Slot]:

@@ -79,11 +79,12 @@ def _mirror(gdef: GraphDef, q: int, obj: Any, broadcast: Any, what: str, hint: s
         if len(children) == len(refs):
             return children
         expected = f"{_article(k.name)} with {len(refs)} children"
-    where = next(itertools.islice(_traverse(gdef, True, True), n, None))[0]  # rendered on error only
+    at = next(itertools.islice(_traverse(gdef, True, True), n, None))[0]  # rendered on error only
     raise GraphError(
-        f"{where or '<root>'}: the {what} does not mirror the model here: expected "
+        f"the {what} does not mirror the model here: expected "
         f"{expected}, found {type(obj).__name__}. Pass a {what} shaped like the model "
-        f"({hint})."
+        f"({hint}).",
+        at,
     )
 
 

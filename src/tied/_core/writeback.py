@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from .errors import ModelChangedError, where
 from .graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
 from .live import WritePlan, lock, slots, write, write_plan
 from .plans.compile import compile_flatten
@@ -60,40 +61,43 @@ def donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, name
     return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
 
 
-def first_difference(before: GraphDef, after: GraphDef, name: Any = None) -> str:
-    """The path where two structures first differ, and how (for a write-back refusal); ``name``
-    renders a path (default: as an argument of a call)."""
-    name = name or place_name
+def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
+    """``(path, how)``: the place where two structures first differ, and how (for a write-back
+    refusal)."""
     a = list(before.walk_places())
     b = list(after.walk_places())
     meta = None
     for p, q in zip(a, b):
         if p.path != q.path:
-            return f"{name(min(p.path, q.path))}: a place was added or removed there"
+            return min(p.path, q.path), "a place was added or removed there"
         if p.kind != q.kind:
-            return f"{name(p.path)}: a {p.kind} became a {q.kind}"
+            return p.path, f"a {p.kind} became a {q.kind}"
         if p.type is not q.type:
-            return f"{name(p.path)}: a {p.type.__name__} became a {q.type.__name__}"
+            return p.path, f"a {p.type.__name__} became a {q.type.__name__}"
         if meta is None and p.kind not in ("array", "static") and p.first and q.first:
             if before._node_key(p.index) != after._node_key(q.index):  # named if nothing else differs
-                meta = f"{name(p.path)}: its keys or fields, their order or their types changed"
+                meta = p.path, "its keys or fields, their order or their types changed"
         if p.first != q.first or p.index != q.index:
-            return f"{name(p.path)}: the sharing changed there (a tie was cut or made)"
+            return p.path, "the sharing changed there (a tie was cut or made)"
         if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
-            return f"{name(p.path)}: a static value changed"
+            return p.path, "a static value changed"
     if len(a) != len(b):
         longer = a if len(a) > len(b) else b
-        return f"{name(longer[min(len(a), len(b))].path)}: a place was added or removed there"
-    return meta or "<root>: the structure changed"
+        return longer[min(len(a), len(b))].path, "a place was added or removed there"
+    return meta or ("", "the structure changed")
 
 
 def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
+    """The refusal of a call that changed an argument's structure, at the first difference."""
+    path, how = first_difference(before, after)
     return GraphError(
-        f"{first_difference(before, after)}. {where} changed the structure of an argument "
+        f"{how}. {where} changed the structure of an argument "
         "(a tie cut, an attribute added or removed, a static changed), which cannot be "
         "carried out of a compiled function; nothing was written into your objects. Build "
         "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
-        "return new graphs) and rebind it, or make the change outside the compiled function."
+        "return new graphs) and rebind it, or make the change outside the compiled function.",
+        path,
+        name=place_name,
     )
 
 
@@ -186,7 +190,7 @@ def _find(root: Any, gdef: GraphDef, written: tuple, action: str) -> list:
     try:
         return find_places(root, gdef, written, action=action, frozen_ok=True)
     except GraphError as e:
-        raise GraphError(_argument_message(str(e))) from None
+        raise (e if e.path is None else e.named(place_name)) from None
 
 
 def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: tuple, action: str) -> None:
@@ -195,11 +199,14 @@ def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: 
     a shared node replaced at one of its places by a look-alike would be cut from its tie."""
     now, now_gdef = flatten(root)  # a plan's work: the structure is the one just flattened
     if now_gdef is not gdef and now_gdef != gdef:
-        raise GraphError(
-            f"{first_difference(gdef, now_gdef)}. {action}: the arguments' structure changed while "
+        path, how = first_difference(gdef, now_gdef)
+        raise ModelChangedError(
+            f"{how}. {action}: the arguments' structure changed while "
             "the call ran (another thread, or a callback inside the function, assigned to the "
             "model), so its new values have no sure place to go. Nothing was written. Change the "
-            "model between calls, or under tied.live_lock."
+            "model between calls, or under tied.live_lock.",
+            path,
+            name=place_name,
         )
     if len(now) != len(inputs) or any(map(operator.is_not, now, inputs)):
         changed = [k for k, (a, b) in enumerate(zip(now, inputs)) if a is not b]
@@ -207,21 +214,15 @@ def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: 
         raise _changed_error(place_paths(gdef).leaves[q][0], action)
 
 
-def _changed_error(path: str, action: str) -> GraphError:
-    return GraphError(
-        f"{place_name(path)}: {action}: this place was changed while the call ran (another "
+def _changed_error(path: str, action: str) -> ModelChangedError:
+    return ModelChangedError(
+        f"{action}: this place was changed while the call ran (another "
         "thread, or a callback inside the function, assigned to the model), so the new value "
         "has no place to go. Nothing was written. Change the model between calls, or under "
-        "tied.live_lock."
+        "tied.live_lock.",
+        path,
+        name=place_name,
     )
-
-
-def _argument_message(message: str) -> str:
-    """A message that starts with a path of ``(args, kwargs)``, with that path as an argument's."""
-    path, sep, rest = message.partition(": ")
-    if sep and (path.startswith("[0][") or path.startswith("[1][")):
-        return place_name(path) + sep + rest
-    return message
 
 
 def find_places(root: Any, gdef: GraphDef, which: tuple, *, action: str, frozen_ok: bool) -> list:
@@ -273,7 +274,7 @@ def place_name(path: str) -> str:
         return "args" + path[3:]
     if path.startswith("[1]"):
         return "kwargs" + path[3:]
-    return path or "<root>"
+    return where(path)
 
 
 def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: str, after: str):
@@ -284,10 +285,11 @@ def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: st
     for q, v in zip(at, values):
         if isinstance(v, jax.core.Tracer) and not isinstance(leaves[q], jax.core.Tracer):
             return GraphError(
-                f"{gdef.leaf_paths()[q][0] or '<root>'}: {who} wrote state computed inside an "
+                f"{who} wrote state computed inside an "
                 "enclosing transform (jax.vmap, jax.jit, tied.jit over a function that captures "
                 f"the model) into a model that lives outside it, where it would stay a dead traced "
                 f"value; {after}. Pass the model as an argument of the transform "
-                "(tied.jit(step)(model, x)), or compute the state update outside it."
+                "(tied.jit(step)(model, x)), or compute the state update outside it.",
+                gdef.leaf_paths()[q][0],
             )
     return None

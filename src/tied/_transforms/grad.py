@@ -225,12 +225,13 @@ def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leave
     """``(input index, new value)`` for each array the loss put at an existing place of its
     model; a change of structure is an error (it cannot be carried out of the gradient)."""
     if after != before:
-        where = first_difference(before, after, lambda p: p or "<root>")
+        path, how = first_difference(before, after)
         raise GraphError(
-            f"{where}. tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
+            f"{how}. tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
             "attribute added or removed, a static changed), which cannot be carried out of the "
             "gradient computation; nothing was written into your objects. Change the model "
-            "outside the loss, or write new values only into existing places (a tied.State's .value)."
+            "outside the loss, or write new values only into existing places (a tied.State's .value).",
+            path,
         )
     index = {id(x): i for i, x in enumerate(full)}
     out = []

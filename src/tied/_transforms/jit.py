@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -302,7 +301,7 @@ class Jitted:
         try:
             entry = self._compiled.get(key)
         except GraphError as e:  # an unhashable static field: say which argument holds it
-            raise GraphError(_argument_path(str(e))) from None
+            raise e.named(place_name) from None
         except TypeError:
             raise TypeError(
                 "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
@@ -421,7 +420,7 @@ def _input_specs(in_shardings: Any, gdef: GraphDef, leaves: list, n_args: int, s
             gdef, spec, [x.ndim for x in leaves], label="tied.jit in_shardings", name=place_name
         )
     except GraphError as e:
-        raise GraphError(_argument_path(str(e))) from None
+        raise (e if e.path is None else e.named(place_name)) from None
 
 
 def _constrain_outputs(out_shardings: Any, out_gdef: GraphDef, out_leaves: list) -> list:
@@ -558,16 +557,6 @@ def block_until_ready(tree: Any) -> Any:
     leaves, _ = flatten(tree)
     jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
     return tree
-
-
-def _argument_path(message: str) -> str:
-    """Write a path relative to ``(args, kwargs)`` as ``args[i]...`` or ``kwargs['k']...``."""
-    m = re.match(r"\[0\]\[(\d+)\]|\[1\]\[", message)
-    if m is None:
-        return message
-    if m.group(1) is not None:
-        return f"argument {m.group(1)}: " + message[m.end() :]
-    return "keyword argument " + message[m.end() - 1 :]
 
 
 def _placement_error(gdef: GraphDef, leaves: list, specs: list) -> ValueError | None:

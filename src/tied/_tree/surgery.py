@@ -24,12 +24,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._core import KIND_BY_NAME, GraphDef, GraphError, flatten, unflatten
+from .._core import KIND_BY_NAME, GraphDef, GraphError, Located, flatten, unflatten
 
 __all__ = ["PathError", "replace", "tie", "untie"]
 
 
-class PathError(KeyError):
+class PathError(Located, KeyError):
     """A path that names no place of the model; the message lists the nearest valid paths.
 
     Examples:
