@@ -21,6 +21,7 @@ from ._core import (
     View,
     flatten,
     is_state,
+    live_lock,
     materialize,
     register,
     register_state,
@@ -30,7 +31,6 @@ from ._core import (
     unflatten,
     view,
 )
-from ._core import lock as live_lock
 from ._transforms import (
     DataParallel,
     Grads,

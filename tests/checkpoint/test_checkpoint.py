@@ -32,7 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tied
-from tied._checkpoint.api import safetensors_format as _safetensors
+from tied._checkpoint import safetensors_format as _safetensors
 from tied.nn import Chain, Dense, Embedding
 
 # ---------------------------------------------------------------- models
@@ -982,7 +982,7 @@ KILLED_SAVE = """
 import sys, time
 import numpy as np
 import tied
-from tied._checkpoint.api import safetensors_format as _safetensors
+from tied._checkpoint import safetensors_format as _safetensors
 
 real = _safetensors._write_array
 calls = []

@@ -21,7 +21,7 @@ import safetensors
 from safetensors.numpy import save_file
 
 import tied
-from tied._checkpoint.api import safetensors_format as _safetensors
+from tied._checkpoint import safetensors_format as _safetensors
 from tied.nn import Chain, Dense
 
 
@@ -107,7 +107,7 @@ def test_a_tampered_place_table_is_refused(tmp_path):
     assert "place_table" in doc and "places" not in doc["arrays"][0]
     doc["place_table"][5][0] = 7  # a parent after its child
     with pytest.raises(tied.CheckpointError, match=r"place 5 names parent 7"):
-        tied._checkpoint.manifest.validate(doc, f)
+        tied._checkpoint.document.validate(doc, f)
 
 
 def test_a_place_table_that_unfolds_into_too_much_is_refused_before_it_is_unfolded():
@@ -116,7 +116,7 @@ def test_a_place_table_that_unfolds_into_too_much_is_refused_before_it_is_unfold
     doc = {"format": "tied", "version": 3, "place_table": table, "arrays": [], "shared_at": [], "views": []}
     t0 = time.perf_counter()
     with pytest.raises(tied.CheckpointError, match=r"its places unfold into 1,250,250,000 characters"):
-        tied._checkpoint.manifest.validate(doc, "hostile")
+        tied._checkpoint.document.validate(doc, "hostile")
     assert time.perf_counter() - t0 < 5
 
 
@@ -286,7 +286,7 @@ def test_a_file_written_before_state_was_marked_still_loads(tmp_path):
     f = str(tmp_path / "v2.safetensors")
     model = {"x": tied.State(jnp.arange(2.0)), "w": jnp.ones(2)}
     leaves, doc = tied._checkpoint.manifest.describe(model)
-    doc = tied._checkpoint.manifest.pack(doc)
+    doc = tied._checkpoint.document.pack(doc)
     doc["version"] = 2
     for a in doc["arrays"]:
         a.pop("state", None)

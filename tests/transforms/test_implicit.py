@@ -37,7 +37,6 @@ from helpers import is_param as ref_is_param
 from hypothesis import given, settings
 
 import tied
-from tied._core.live import lock as live_lock  # public as tied.live_lock once __init__ exports it
 
 
 def seed():
@@ -440,7 +439,7 @@ def test_a_reader_thread_holding_the_lock_never_sees_traced_values():
     def reader():
         try:
             while not done.is_set():
-                with live_lock:
+                with tied.live_lock:
                     y = c(x)
                     tied_ok = c.layers[0].weight is c.layers[1].weight
                 seen.append((np.asarray(y), tied_ok))
@@ -487,9 +486,9 @@ def test_readers_wait_while_gradient_runs_and_readers_without_the_lock_see_trace
     report: dict = {}
 
     def other():
-        report["got_lock"] = live_lock.acquire(timeout=0.2)
+        report["got_lock"] = tied.live_lock.acquire(timeout=0.2)
         if report["got_lock"]:  # pragma: no cover - the assertion below fails
-            live_lock.release()
+            tied.live_lock.release()
         report["type"] = type(c.layers[0].weight)
         report["params"] = tied.params(c)  # constructing needs no lock; reading it waits
 

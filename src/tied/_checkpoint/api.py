@@ -25,8 +25,8 @@ from typing import Any, Literal
 import numpy as np
 
 from .._core import flatten
-from . import manifest, safetensors_format
-from .manifest import CheckpointError, keystr
+from . import document, manifest, safetensors_format
+from .document import CheckpointError, keystr
 
 __all__ = ["CheckpointError", "save", "load", "load_metadata"]
 
@@ -130,7 +130,7 @@ def load_metadata(path: str | os.PathLike) -> dict:
 
 def _plain_file(path: str) -> CheckpointError:
     return CheckpointError(
-        f"{path}: a safetensors file without tied's metadata (no '{manifest.FORMAT}' entry in "
+        f"{path}: a safetensors file without tied's metadata (no '{document.FORMAT}' entry in "
         "__metadata__), so its places and ties are unknown. Load it with tied.load(path, like, "
         "strict=False), which reads each array of like from a key naming one of its places (rename= "
         "maps other keys), or save it with tied.save."

@@ -78,7 +78,8 @@ class PlaceTable(NamedTuple):
 
 
 class Manifest(dict):
-    """A manifest as `tied._manifest.describe` gives it: the JSON document (this dict), and beside it
+    """A manifest as `tied._checkpoint.manifest.describe` gives it: the JSON document (this dict), and
+    beside it
     (not part of the document) its `PlaceTable`, which `pack` writes instead of the paths where
     they grow too long."""
 
@@ -95,7 +96,8 @@ def pack(doc: dict) -> dict:
 
     Examples:
         >>> import numpy as np
-        >>> from tied._manifest import describe, pack, validate
+        >>> from tied._checkpoint.manifest import describe
+        >>> from tied._checkpoint.document import pack, validate
         >>> leaves, doc = describe({"a": {"b": np.zeros(2)}})
         >>> pack(doc)["arrays"][0]["places"]
         ["['a']['b']"]

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import orbax_format
-from .manifest import CheckpointError
+from .document import CheckpointError
 
 __all__ = ["CheckpointManager"]
 

@@ -40,7 +40,7 @@ apart whatever the order of the attributes.
 Example (the sharing a manifest records):
 
     >>> import jax
-    >>> from tied._manifest import describe
+    >>> from tied._checkpoint.manifest import describe
     >>> from tied.nn import Chain, Dense
     >>> d = Dense(2, 2, key=jax.random.key(0))
     >>> leaves, doc = describe(Chain(d, Dense(d.weight, None)))
@@ -62,38 +62,23 @@ import numpy as np
 from .._core import GraphDef, flatten, fn_name, unflatten
 from .document import (
     FORMAT,
-    READS,
     VERSION,
     CheckpointError,
     Manifest,
     PlaceTable,
     corrupt,
-    is_int,
     keystr,
-    pack,
-    valid_shape,
-    validate,
     written_counts,
 )
 
-__all__ = [  # with the document's names from `_document`, which the formats read here too
-    "CheckpointError",
-    "FORMAT",
-    "READS",
-    "VERSION",
-    "corrupt",
-    "is_int",
-    "keystr",
-    "valid_shape",
+__all__ = [
     "Manifest",
     "Match",
     "build",
     "describe",
     "match",
-    "pack",
     "place_like",
     "user_metadata",
-    "validate",
 ]
 
 # ---------------------------------------------------------------- abstract leaves in `like`
@@ -245,7 +230,7 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
 
     Examples:
         >>> import jax
-        >>> from tied._manifest import describe
+        >>> from tied._checkpoint.manifest import describe
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(2, 2, key=jax.random.key(0))
         >>> leaves, doc = describe(Chain(d, Dense(d.weight, None)), {"step": 3})
@@ -458,7 +443,8 @@ def match(doc: dict, like: Any, where: str) -> Match:
 
     Examples:
         >>> import jax
-        >>> from tied._manifest import describe, match, validate
+        >>> from tied._checkpoint.manifest import describe, match
+        >>> from tied._checkpoint.document import validate
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(2, 2, key=jax.random.key(0))
         >>> model = Chain(d, Dense(d.weight, None))
@@ -553,7 +539,8 @@ def build(m: Match, arrays: Sequence[Any]) -> Any:
 
     Examples:
         >>> import jax, numpy as np
-        >>> from tied._manifest import build, describe, match, place_like, validate
+        >>> from tied._checkpoint.manifest import build, describe, match, place_like
+        >>> from tied._checkpoint.document import validate
         >>> from tied.nn import Chain, Dense
         >>> d = Dense(2, 2, key=jax.random.key(0))
         >>> model = Chain(d, Dense(d.weight, d.bias))

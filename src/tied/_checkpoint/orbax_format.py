@@ -58,8 +58,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import manifest
-from .manifest import CheckpointError, keystr
+from . import document, manifest
+from .document import CheckpointError, keystr
 
 __all__ = ["save", "load", "load_metadata"]
 
@@ -281,11 +281,11 @@ def _read_manifest(ckpt: str, where: str) -> dict:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
             doc = c.restore(ckpt, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]
     except Exception as e:  # Orbax's errors for a missing or unreadable item vary by version
-        raise manifest.corrupt(where, f"its manifest {manifest} cannot be read ({_brief(e)})") from e
-    doc = manifest.validate(doc, where)
+        raise document.corrupt(where, f"its manifest {manifest} cannot be read ({_brief(e)})") from e
+    doc = document.validate(doc, where)
     storage = doc.get("storage")
     if not isinstance(storage, dict) or storage.get("format") != FORMAT:
-        raise manifest.corrupt(where, "the manifest does not describe an Orbax checkpoint")
+        raise document.corrupt(where, "the manifest does not describe an Orbax checkpoint")
     return doc
 
 
@@ -359,16 +359,16 @@ def _check_stored(ckpt: str, where: str, item: dict) -> None:
     for name, want in item.items():
         got = stored.get(name)
         if got is None:
-            raise manifest.corrupt(where, f"the manifest's array {name!r} is not among the stored arrays")
+            raise document.corrupt(where, f"the manifest's array {name!r} is not among the stored arrays")
         if got != (tuple(want.shape), np.dtype(want.dtype).name):
-            raise manifest.corrupt(
+            raise document.corrupt(
                 where,
                 f"the manifest describes {name!r} as {tuple(want.shape)} {np.dtype(want.dtype).name}, "
                 f"but Orbax stored {got[0]} {got[1]}",
             )
     extra = sorted(set(stored) - set(item))
     if extra:
-        raise manifest.corrupt(where, f"stored arrays that the manifest does not list: {extra[:5]}")
+        raise document.corrupt(where, f"stored arrays that the manifest does not list: {extra[:5]}")
 
 
 def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
@@ -470,7 +470,7 @@ def load(path: str | os.PathLike, like: Any, **options: Any) -> Any:
             continue
         x = restored.get(entry["name"]) if isinstance(restored, Mapping) else None
         if x is None:
-            raise manifest.corrupt(where, f"the array {entry['name']!r} is missing from {ckpt}")
+            raise document.corrupt(where, f"the array {entry['name']!r} is missing from {ckpt}")
         if not as_numpy and sharding is None:
             x = manifest.place_like(np.asarray(x), leaf)
         arrays[i] = x

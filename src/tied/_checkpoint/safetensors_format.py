@@ -38,17 +38,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .manifest import (
-    FORMAT,
-    CheckpointError,
-    corrupt,
-    is_int,
-    keystr,
-    nbytes,
-    pack,
-    valid_shape,
-    validate,
-)
+from .document import FORMAT, CheckpointError, corrupt, is_int, keystr, pack, valid_shape, validate
+from .manifest import nbytes
 
 try:  # POSIX: a writer holds a lock on its temporary file, so a cleaner can tell a live save from a dead one
     import fcntl

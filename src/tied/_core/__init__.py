@@ -5,26 +5,16 @@ and writing into live objects. See README.md beside this file.
 
 from .classify import register, register_state
 from .errors import Located, ModelChangedError
-from .graph import flatten, flatten_with, is_state, plan_cache, rebuild, ties, unflatten
+from .graph import flatten, flatten_with, is_state, live_lock, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
 from .kinds import KIND_BY_NAME, GraphError
-from .live import changed, check_written, lock, restore, slots, write
+from .live import changed, check_written, restore, slots, write
 from .params import Trainable, is_param, trainable_mask
 from .read import read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
 from .view import View, fn_name, materialize, transpose, view
-from .writeback import (
-    arguments,
-    donation,
-    escaping_tracer,
-    first_difference,
-    is_donated,
-    place_name,
-    returns_copy,
-    structure_error,
-    write_back,
-)
+from .writeback import escaping_tracer, first_difference, place_name, structure_error, write_back
 
 __all__ = [
     "GraphDef",
@@ -36,22 +26,19 @@ __all__ = [
     "State",
     "Trainable",
     "View",
-    "arguments",
     "at_or_below",
     "changed",
     "check_written",
     "covered",
-    "donation",
     "escaping_tracer",
     "expand",
     "first_difference",
     "flatten",
     "flatten_with",
     "fn_name",
-    "is_donated",
     "is_param",
     "is_state",
-    "lock",
+    "live_lock",
     "materialize",
     "place_name",
     "place_paths",
@@ -61,7 +48,6 @@ __all__ = [
     "register",
     "register_state",
     "restore",
-    "returns_copy",
     "slots",
     "structure_error",
     "ties",

@@ -17,7 +17,7 @@ live objects, and gives up (None) at the first difference; the write-back of
 Threads. While tied writes into a model, other threads that read it directly
 would see what is written: traced values during `tied.gradient`, a half-updated
 tie during `update_inplace`. Every write happens under one re-entrant lock,
-`lock` (public as ``tied.live_lock``, defined with the walk in `_graph`). Every
+`live_lock` (public as ``tied.live_lock``, defined with the walk in `graph.py`). Every
 reader in tied waits for it: each `flatten` takes it, so `tied.flatten`,
 `tied.map`, `tied.save`, `tied.grad`, `tied.jit`, `tied.ties` and the rest see
 whole writes only. A thread that reads a model with its own code (a forward
@@ -40,9 +40,17 @@ import jax
 
 from .graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten, live_lock
 
-__all__ = ["lock", "Slot", "slots", "write_plan", "WritePlan", "write", "restore", "check_written", "changed"]
-
-lock = live_lock  # the walk's lock: every flatten waits for a write in progress
+__all__ = [
+    "live_lock",
+    "Slot",
+    "slots",
+    "write_plan",
+    "WritePlan",
+    "write",
+    "restore",
+    "check_written",
+    "changed",
+]
 
 
 class Slot:
@@ -101,7 +109,7 @@ def slots(
     """For each unique array index in ``which``, a `Slot` for every place of it in ``model``.
 
     ``gdef`` is the GraphDef of a `flatten` of ``model`` taken just before (under
-    `lock`). Places are those of `GraphDef.walk_places`: every (container, child)
+    `live_lock`). Places are those of `GraphDef.walk_places`: every (container, child)
     pair, so a place below a shared node is one slot (writing it reaches all the
     node's places).
 

@@ -1,10 +1,11 @@
-"""What a call does to the objects it was given: donation, and writing new values back.
+"""What a call does to the objects it was given: new values written back, changes refused.
 
 `tied.jit` (and `tied.grad` for its loss) runs a function on a rebuilt copy of its
 arguments; afterwards the copy is compared with what was given. New values at
 existing places are written into the caller's own objects (through `_live`); a
 change of structure is refused by path; a donated argument that is not handed
-back stays usable. Core layer: it reads GraphDefs by name only.
+back stays usable (donation itself is `tied.jit`'s, in `_transforms/jit.py`).
+Core layer: it reads GraphDefs by name only.
 """
 
 from __future__ import annotations
@@ -16,49 +17,8 @@ import jax
 
 from .errors import ModelChangedError, where
 from .graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
-from .live import WritePlan, lock, slots, write, write_plan
+from .live import WritePlan, live_lock, slots, write, write_plan
 from .plans.compile import compile_flatten
-
-
-def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
-    """For each unique leaf of ``(args, kwargs)``, the arguments (an int position or a str
-    keyword) holding it at any place, below shared nodes too. The root is the pair, so the
-    places at depth 2 are the arguments themselves, in order (kwargs in the dict's order)."""
-    owners: list[set] = [set() for _ in range(gdef.num_leaves)]
-    names = [None, list(range(n_args)), sorted(kw_order)]
-    side = arg = None
-    count = [0, 0, 0]
-    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
-        if place.depth == 1:
-            side = 1 if count[0] == 0 else 2
-            count[0] += 1
-            continue
-        if place.depth == 2:
-            arg = names[side][count[side]]
-            count[side] += 1
-        if place.depth >= 2 and place.kind == "array":
-            owners[place.index].add(arg)
-    return owners
-
-
-def is_donated(a: Any, n_args: int, nums: frozenset, names: frozenset) -> bool:
-    if isinstance(a, int):
-        return a in nums or a - n_args in nums
-    return a in names
-
-
-def donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, names: frozenset):
-    """Which unique leaves are donated: those held only by donated arguments (every place
-    counts, below shared nodes too)."""
-    if not (nums or names):
-        return (), tuple(range(gdef.num_leaves))
-
-    owners = arguments(gdef, n_args, kw_order)
-    donated = tuple(
-        q for q, own in enumerate(owners) if own and all(is_donated(a, n_args, nums, names) for a in own)
-    )
-    gone = set(donated)
-    return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
 
 
 def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
@@ -101,31 +61,6 @@ def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError
     )
 
 
-def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
-    """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
-    two levels down): a donated argument's updated copy, which the caller rebinds."""
-    target = flatten(arg)[1]
-    if out_gdef == target:
-        return True
-    level = [out]
-    for _ in range(2):
-        nxt = []
-        for x in level:
-            if isinstance(x, (tuple, list)):
-                nxt.extend(x)
-            elif isinstance(x, dict):
-                nxt.extend(x.values())
-        for x in nxt:
-            if isinstance(x, (list, tuple, dict)) or hasattr(x, "__dict__") or hasattr(x, "__slots__"):
-                try:
-                    if flatten(x)[1] == target:
-                        return True
-                except GraphError:
-                    pass
-        level = nxt
-    return False
-
-
 def write_back(
     root: Any, gdef: GraphDef, written: tuple, values: list, action: str, inputs: list | None = None
 ) -> None:
@@ -136,7 +71,7 @@ def write_back(
     call), the arguments still of the structure and arrays the call was given, so a model
     changed while the call ran (by another thread, or a callback inside it) is refused,
     never half-updated."""
-    with lock:
+    with live_lock:
         if inputs is not None and _fused(root, gdef, written, values, inputs, action):
             return
         if inputs is not None:  # every place still holds what the call was given, or nothing
@@ -195,7 +130,7 @@ def _find(root: Any, gdef: GraphDef, written: tuple, action: str) -> list:
 
 def _unchanged_since_the_call(root: Any, gdef: GraphDef, inputs: list, written: tuple, action: str) -> None:
     """Refuse, before anything is written, a model whose structure or arrays changed while
-    the call ran (a host callback inside it, another thread without the lock): written into,
+    the call ran (a host callback inside it, another thread without the live_lock): written into,
     a shared node replaced at one of its places by a look-alike would be cut from its tie."""
     now, now_gdef = flatten(root)  # a plan's work: the structure is the one just flattened
     if now_gdef is not gdef and now_gdef != gdef:

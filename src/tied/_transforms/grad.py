@@ -20,7 +20,7 @@ from .._core import (
     first_difference,
     flatten,
     is_param,
-    lock,
+    live_lock,
     read_places,
     rebuild,
     slots,
@@ -267,7 +267,7 @@ def _write_state(args, nums, single, leaves, gdef, structure, written, values, p
     if escaping is not None:
         raise escaping
     model = args[nums[0]] if single else tuple(args[i] for i in nums)
-    with lock:
+    with live_lock:
         write(slots(model, gdef, written, action="tied.grad", frozen_ok=True), values)
 
 

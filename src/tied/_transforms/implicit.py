@@ -8,7 +8,7 @@ returns a mapping from each parameter *object* to its total gradient.
 
 The closure sees traced values because `gradient` puts them, for the duration
 of the call, at every place of each parameter in the model's own containers
-(`tied._live`), and always puts the original arrays back afterwards. Nothing
+(`tied._core.live`), and always puts the original arrays back afterwards. Nothing
 short of writing reaches a closure over the model: it may hold the model, a
 layer of it, or a global that does. So other threads wait: the writing happens
 under ``tied.live_lock``, which a thread that reads the model directly takes.
@@ -27,25 +27,22 @@ import jax
 from .._core import (
     GraphDef,
     GraphError,
+    Trainable,
     View,
     changed,
     check_written,
     escaping_tracer,
     flatten,
-    lock,
+    is_param,
+    live_lock,
     restore,
     slots,
+    trainable_mask,
     write,
 )
-from .grad import Trainable, _gradient_tree, is_param, trainable_mask
+from .grad import _gradient_tree
 
 __all__ = ["Params", "Grads", "params", "gradient"]
-
-# Old names, kept while tied.optim imports them from here: use tied._live.lock and
-# tied._live.slots.
-_lock = lock
-_place_setters = slots
-
 
 # ---------------------------------------------------------------- Params
 
@@ -83,7 +80,7 @@ class Params:
         self.trainable = trainable
 
     def _read(self) -> tuple[list, GraphDef, list[int]]:
-        with lock:
+        with live_lock:
             leaves, gdef = flatten(self.model)
             mask = trainable_mask(gdef, leaves, self.trainable)
         return leaves, gdef, [i for i, keep in enumerate(mask) if keep]
@@ -309,7 +306,7 @@ class Grads(Mapping):
             >>> bool(jnp.allclose(g.layers[0].weight, tied.grad(lambda m: m(x).sum())(c).layers[0].weight))
             True
         """
-        with lock:  # not while tied.gradient has traced values in the model
+        with live_lock:  # not while tied.gradient has traced values in the model
             leaves, gdef = flatten(model)
         return _gradient_tree(gdef, [self._lookup(x) if is_param(x) else None for x in leaves])
 
@@ -336,7 +333,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
     Threads: the call holds ``tied.live_lock`` from start to end. Another
     thread's `tied.gradient`, `tied.params` or `tied.optim.update_inplace` waits
     for it; a thread that reads the model directly (``model(x)``) must take the
-    lock too (``with tied.live_lock: y = model(x)``), or it may see traced
+    live_lock too (``with tied.live_lock: y = model(x)``), or it may see traced
     values. ``fun`` itself runs in the calling thread and may take gradients.
 
     Args:
@@ -373,7 +370,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
         )
     if not callable(fun):
         raise TypeError(f"tied.gradient(fun, params): fun must be callable, got {fun!r}.")
-    with lock:
+    with live_lock:
         model = params.model
         leaves, gdef, train = params._read()
         where = slots(model, gdef, train, action="tied.gradient", frozen_ok=True)

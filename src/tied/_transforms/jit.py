@@ -14,15 +14,11 @@ from jax.sharding import PartitionSpec
 from .._core import (
     GraphDef,
     GraphError,
-    arguments,
-    donation,
     flatten,
     flatten_with,
-    is_donated,
     place_name,
     plan_cache,
     rebuild,
-    returns_copy,
     structure_error,
     write_back,
 )
@@ -191,6 +187,78 @@ class _Written:
 
     def __hash__(self) -> int:
         return hash(self.indices)
+
+
+# ---------------------------------------------------------------- donation
+
+
+def arguments(gdef: GraphDef, n_args: int, kw_order: tuple) -> list[set]:
+    """For each unique leaf of ``(args, kwargs)``, the arguments (an int position or a str
+    keyword) holding it at any place, below shared nodes too. The root is the pair, so the
+    places at depth 2 are the arguments themselves, in order (kwargs in the dict's order)."""
+    owners: list[set] = [set() for _ in range(gdef.num_leaves)]
+    names = [None, list(range(n_args)), sorted(kw_order)]
+    side = arg = None
+    count = [0, 0, 0]
+    for place in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        if place.depth == 1:
+            side = 1 if count[0] == 0 else 2
+            count[0] += 1
+            continue
+        if place.depth == 2:
+            arg = names[side][count[side]]
+            count[side] += 1
+        if place.depth >= 2 and place.kind == "array":
+            owners[place.index].add(arg)
+    return owners
+
+
+def is_donated(a: Any, n_args: int, nums: frozenset, names: frozenset) -> bool:
+    if isinstance(a, int):
+        return a in nums or a - n_args in nums
+    return a in names
+
+
+def donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, names: frozenset):
+    """Which unique leaves are donated: those held only by donated arguments (every place
+    counts, below shared nodes too)."""
+    if not (nums or names):
+        return (), tuple(range(gdef.num_leaves))
+
+    owners = arguments(gdef, n_args, kw_order)
+    donated = tuple(
+        q for q, own in enumerate(owners) if own and all(is_donated(a, n_args, nums, names) for a in own)
+    )
+    gone = set(donated)
+    return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
+
+
+def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
+    """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
+    two levels down): a donated argument's updated copy, which the caller rebinds."""
+    target = flatten(arg)[1]
+    if out_gdef == target:
+        return True
+    level = [out]
+    for _ in range(2):
+        nxt = []
+        for x in level:
+            if isinstance(x, (tuple, list)):
+                nxt.extend(x)
+            elif isinstance(x, dict):
+                nxt.extend(x.values())
+        for x in nxt:
+            if isinstance(x, (list, tuple, dict)) or hasattr(x, "__dict__") or hasattr(x, "__slots__"):
+                try:
+                    if flatten(x)[1] == target:
+                        return True
+                except GraphError:
+                    pass
+        level = nxt
+    return False
+
+
+# ---------------------------------------------------------------- the traced function
 
 
 def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse):

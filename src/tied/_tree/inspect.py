@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TextIO
 import jax
 import numpy as np
 
-from .._core import GraphDef, Trainable, flatten, is_param, lock, trainable_mask
+from .._core import GraphDef, Trainable, flatten, is_param, live_lock, trainable_mask
 from .._core import fn_name as _fn_name
 
 __all__ = ["param_count", "summary", "print_summary", "to_dot", "render_dot"]
@@ -53,7 +53,7 @@ def _keystr(path: str) -> str:
 
 
 def _read(tree: Any) -> tuple[list, GraphDef]:
-    with lock:  # not while tied.gradient has traced values in the model
+    with live_lock:  # not while tied.gradient has traced values in the model
         return flatten(tree)
 
 

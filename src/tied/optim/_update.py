@@ -17,7 +17,7 @@ from .._core import (
     covered,
     flatten,
     is_param,
-    lock,
+    live_lock,
     read_places,
     slots,
     trainable_mask,
@@ -287,7 +287,7 @@ def update_inplace(
         >>> d1.weight is c.layers[1].weight, d1.weight is old   # d1 now holds the new array
         (True, False)
     """
-    with lock:
+    with live_lock:
         leaves, gdef = flatten(model)
         train = match_state(state, leaves, gdef)
         places = slots(model, gdef, train, action="tied.optim.update_inplace", frozen_ok=False)
