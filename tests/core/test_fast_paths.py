@@ -146,19 +146,19 @@ def test_a_plan_that_disagrees_with_slots_fails_in_check_mode():
     for _ in range(4):  # from the third call on, the call's GraphDef is its plan's (interned)
         step(net, X)
     _, gdef = _graph.flatten_with(((net, X), {}), step._plans)
-    plans = [(k, p) for k, p in gdef._plans.items() if isinstance(k, tuple) and k[:1] == ("write",)]
+    plans = list(gdef.memo.write_plans.items())
     assert plans and isinstance(plans[0][1], _live.WritePlan)
     key, plan = plans[0]
     # a lying plan: the first two arrays' places swapped
     assert len(plan.places) == 2
     (n0, *rest0), (n1, *rest1) = plan.places
     bad = _live.WritePlan(plan.nodes, ((n1, *rest0), (n0, *rest1)), plan.n)
-    gdef._plans[key] = bad
+    gdef.memo.write_plans[key] = bad
     try:
         with pytest.raises(_graph.PlanMismatch, match="write plan disagrees"):
             step(net, X)
     finally:
-        gdef._plans[key] = plan
+        gdef.memo.write_plans[key] = plan
     step(net, X)
 
 
@@ -175,7 +175,7 @@ def test_state_inside_a_tuple_held_by_a_cell_is_written_by_the_slow_path_every_c
     np.testing.assert_array_equal(np.asarray(cell.value[0]), np.full(2, 4.0))
     np.testing.assert_array_equal(np.asarray(cell.value[1]), np.ones(2))
     _, gdef = tied.flatten(((cell,), {}))
-    assert any(p is _writeback._NO_PLAN for p in gdef._plans.values())
+    assert any(p is _writeback._NO_PLAN for p in gdef.memo.write_plans.values())
 
 
 def test_errors_still_come_from_slots_by_path():
@@ -235,7 +235,7 @@ def test_a_graph_over_the_plan_bound_gets_its_plan_after_enough_sightings(monkey
         assert all(a is b for a, b in zip(leaves[2:], weights[1:]))
         out = tied.unflatten(gdef, leaves)
         assert all(c.b is out[0].b for c in out) and out[3].w is weights[3]
-        planned.append(bool(gdef._plans.get("flatten plan")))
+        planned.append(bool(gdef.memo.flatten_plan))
     # no plan at the second sighting (too large), one from the fifth on
     assert planned == [False, False, False, False, True, True, True, True]
 
@@ -291,7 +291,7 @@ def _tied_lins():
 
 
 def _fused_plans(gdef):
-    return [v for k, v in gdef._plans.items() if isinstance(k, tuple) and k[0] == "write-back"]
+    return list(gdef.memo.write_backs.values())
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -401,10 +401,11 @@ def test_compiled_write_back_refuses_a_model_changed_during_the_call(monkeypatch
     assert int(a.calls.value) == int(b.calls.value) == 6
     cells = [layer.calls for layer in (net.layers[0], net.layers[1], net.layers[2], net.layers[3]["last"])]
     armed["on"] = True
-    with pytest.raises(tied.GraphError, match="while the call ran") as err:
+    with pytest.raises(tied.ModelChangedError, match="while the call ran") as err:
         step(net, x)
         jax.effects_barrier()
     if mutate.__name__ == "keys_reordered":  # named where it happened
         assert str(err.value).startswith("args[0].layers[3]: its keys or fields")
+        assert err.value.path == "[0][0].layers[3]"  # the core's path, carried apart from the message
     # nothing written: every cell the call was given keeps the count from before it
     assert all(int(c.value) == 6 for c in cells)

@@ -699,7 +699,7 @@ def test_a_very_wide_model_never_stalls_on_compiling_a_plan(monkeypatch):
     # Compiling a plan for it took 8 s where the walk took 0.3 s; its 60,000 arrays are now
     # read in one statement, so the plan is made at the second call at about a walk's cost.
     assert max(calls) < 6 * min(walks) + 0.1, (calls, walks)
-    assert gdef._plans.get("flatten plan") and gdef._plans.get(False)
+    assert gdef.memo.flatten_plan and gdef.memo.unflatten_plans.get(False)
     walked, _ = _graph._walk(model)
     assert all(a is b for a, b in zip(leaves, walked)) and len(leaves) == len(walked)
     out = tied.unflatten(gdef, leaves)

@@ -83,7 +83,7 @@ def agree(model, *, planned: bool = True):
         leaves, gdef = tied.flatten(model)
         tied.unflatten(gdef, leaves)
     if planned:
-        assert gdef._plans.get("flatten plan") and gdef._plans.get(False)
+        assert gdef.memo.flatten_plan and gdef.memo.unflatten_plans.get(False)
     walked, wgdef = _graph._walk(model)
     assert wgdef == gdef
     assert len(leaves) == len(walked) and all(a is b for a, b in zip(leaves, walked))
@@ -116,7 +116,7 @@ def chain(n: int, *, seed: int = 0, shared_bias: bool = True) -> list:
 
 
 def _source(gdef) -> str:
-    return gdef._plans["flatten plan"].__tied_source__ + gdef._plans[False].__tied_source__
+    return gdef.memo.flatten_plan.__tied_source__ + gdef.memo.unflatten_plans[False].__tied_source__
 
 
 def test_a_run_of_layers_is_read_and_built_by_one_loop(loops):
@@ -243,7 +243,7 @@ def test_a_reference_cycle_inside_an_element_is_rebuilt(loops):
     for _ in range(3):
         leaves, gdef = tied.flatten(items)
         out = tied.unflatten(gdef, leaves)
-    assert gdef._plans.get("flatten plan") and gdef._plans.get(False)
+    assert gdef.memo.flatten_plan and gdef.memo.unflatten_plans.get(False)
     walked, wgdef = _graph._walk(items)
     assert wgdef == gdef and all(a is b for a, b in zip(leaves, walked))
     assert [id(x) for x in leaves] == [id(b.a) for b in items]
@@ -280,9 +280,9 @@ def test_random_layers_repeated_and_mutated_agree_with_the_walk(template, n, see
 def test_a_deep_model_gets_its_plans_at_the_second_call_without_forcing():
     model = chain(3000, seed=6)
     leaves, gdef = tied.flatten(model)
-    assert not gdef._plans.get("flatten plan")
+    assert not gdef.memo.flatten_plan
     agree(model)
-    assert len(gdef._plans["flatten plan"].__tied_source__.splitlines()) < 100
+    assert len(gdef.memo.flatten_plan.__tied_source__.splitlines()) < 100
 
 
 def test_adam_on_a_looped_chain_with_a_shared_bias_matches_optax_on_the_untied_arrays(loops):

@@ -1068,7 +1068,7 @@ def test_a_shared_cell_replaced_by_a_look_alike_during_the_call_is_refused(which
     np.testing.assert_allclose(cell.value, 4.0)  # two increments a call, twice
     armed["on"] = True
     with pytest.raises(
-        tied.GraphError, match=r"args\[0\]\.b\.s: the sharing changed there.*while the call ran"
+        tied.ModelChangedError, match=r"args\[0\]\.b\.s: the sharing changed there.*while the call ran"
     ):
         step(m, x)
         jax.effects_barrier()

@@ -54,14 +54,15 @@ from .graphdef import (
     view_failed,
 )
 from .kinds import _KIND_NAMES, _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
-from .plans.compile import (
+from .plans import (
     LARGE_PLAN_SIGHTINGS,
     MAX_PLAN_LINES,
     compile_flatten,
     compile_unflatten,
-    flatten_size,
+    flatten_lines,
+    layout_and_order,
     plan_bound,
-    unflatten_size,
+    unflatten_lines,
 )
 from .read import read_places
 
@@ -249,24 +250,25 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
                 _seen_once.clear()
             _seen_once[gdef] = gdef
         return gdef
-    plans = first._plans
-    if plans.get("no flatten plan"):
+    memo = first.memo
+    if memo.flatten_plan is False:
         return first
     # One plan per structure, shared by every cache: the structure stays interned, so that
     # every later flatten of it (planned or walked, in any cache) gives this very object
     # and the caches keyed on it (tied.jit's compiled functions) hit by identity.
-    plan = plans.get("flatten plan")
+    plan = memo.flatten_plan
     if plan is None:
         # A structure too large for a plan on its second sighting gets one once its walks
         # have cost about what the compile will (see _plan.LARGE_PLAN_SIGHTINGS).
-        seen = plans["sightings"] = plans.get("sightings", 1) + 1
-        if seen < LARGE_PLAN_SIGHTINGS and flatten_size(first) > MAX_PLAN_LINES:
+        seen = memo.sightings = memo.sightings + 1
+        lay, order = layout_and_order(first)  # the walk order, if the layout's replay just made it
+        if seen < LARGE_PLAN_SIGHTINGS and flatten_lines(first, lay) > MAX_PLAN_LINES:
             return first
-        plan = compile_flatten(first, plan_bound(seen))
+        plan = compile_flatten(first, plan_bound(seen), order=order)
         if plan is None:  # none can be made: never try again for this structure
-            plans["no flatten plan"] = True
+            memo.flatten_plan = False
             return first
-        plans["flatten plan"] = plan
+        memo.flatten_plan = plan
     with _cache_lock:
         old = cache.get(type(tree), ())
         if not any(g is first for g, _ in old):
@@ -413,7 +415,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         raise e.finish(path) from None
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
     if result % 3 == 1:  # the build order (see rebuild_order), known already
-        order = gdef._plans["post"] = tuple(post)
+        order = gdef.memo.post = tuple(post)
         if CHECK_PLANS and order != post_order(gdef):
             raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
     return leaves, gdef
@@ -500,14 +502,15 @@ def rebuild(graphdef: GraphDef, leaves: Any, *, statics: Any = None, materialize
         )
     if statics is None:
         statics = graphdef.statics
-    plans = graphdef._plans
-    build = plans.get(materialize)
+    memo = graphdef.memo
+    build = memo.unflatten_plans.get(materialize)
     if build is None:
-        count = plans.get("uses", 0) + 1
-        plans["uses"] = count
-        if count >= 2 and (count >= LARGE_PLAN_SIGHTINGS or unflatten_size(graphdef) <= MAX_PLAN_LINES):
+        count = memo.unflatten_uses = memo.unflatten_uses + 1
+        if count >= 2 and (count >= LARGE_PLAN_SIGHTINGS or unflatten_lines(graphdef) <= MAX_PLAN_LINES):
             # None: too large to be worth compiling; remembered as False, and walked
-            build = plans[materialize] = compile_unflatten(graphdef, materialize, plan_bound(count)) or False
+            build = memo.unflatten_plans[materialize] = (
+                compile_unflatten(graphdef, materialize, plan_bound(count)) or False
+            )
     large = len(graphdef.records) >= PAUSE_GC_NODES
     if build:
         out = _paused(build, leaves, statics) if large else build(leaves, statics)

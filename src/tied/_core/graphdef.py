@@ -70,6 +70,44 @@ class Place(NamedTuple):
 # ---------------------------------------------------------------- the GraphDef
 
 
+class Memo:
+    """What is derived from one structure, kept on its GraphDef under a name each: a GraphDef is
+    immutable, so nothing here goes stale. The GraphDef's readers fill the first group; the
+    walk (`post`), the plans (`graph.py` and `plans/`) and the write-back (`writeback.py`) fill
+    theirs, each only its own fields."""
+
+    __slots__ = (
+        # the GraphDef's readers
+        "keys",  # each node's children's JAX keys
+        "place_leaves",  # (path, unique index) of every array place
+        "state_leaves",  # per unique array: below a state cell?
+        "state_nodes",  # per node: a state cell?
+        "places",  # `place_paths`
+        "expanded",  # `expand`
+        "expanded_with_state",  # `expand(keep_state=True)`
+        # the build order: the walk's post order, and `rebuild_order`'s answer
+        "post",
+        "order",
+        # the plans
+        "layout",  # `plans.loops.layout`: runs of identical layers
+        "sightings",  # flattens seen of this structure (a large one is planned late)
+        "flatten_plan",  # the compiled flatten; False: none can be made
+        "unflatten_uses",  # unflattens seen
+        "unflatten_plans",  # materialize -> the compiled unflatten; False: walked
+        "write_plans",  # (written leaves, frozen_ok) -> `live.WritePlan`, or NO_PLAN
+        "write_backs",  # written leaves -> the compiled re-check and write; False: none
+    )
+
+    def __init__(self) -> None:
+        self.keys = self.place_leaves = self.state_leaves = self.state_nodes = None
+        self.places = self.expanded = self.expanded_with_state = None
+        self.post = self.order = self.layout = self.flatten_plan = None
+        self.sightings, self.unflatten_uses = 1, 0
+        self.unflatten_plans: dict = {}
+        self.write_plans: dict = {}
+        self.write_backs: dict = {}
+
+
 class GraphDef:
     """The structure of an object graph: node types, static leaves and every sharing.
 
@@ -92,7 +130,7 @@ class GraphDef:
         False
     """
 
-    __slots__ = ("records", "statics", "root", "num_leaves", "_hash", "_k", "_plans", "_places", "_expanded")
+    __slots__ = ("records", "statics", "root", "num_leaves", "_hash", "_k", "memo")
 
     def __init__(self, records: tuple, statics: tuple, root: int, num_leaves: int):
         self.records = records  # tuple of (kind, meta, child_refs) in first-seen order
@@ -101,9 +139,7 @@ class GraphDef:
         self.num_leaves = num_leaves
         self._hash: int | None = None
         self._k: Any = None
-        self._plans: dict = {}  # compiled rebuild plans and orders, see _plan.py
-        self._places: Any = None
-        self._expanded: Any = None
+        self.memo = Memo()  # what is derived from this structure once, by name
 
     @property
     def num_nodes(self) -> int:
@@ -221,9 +257,9 @@ class GraphDef:
 
     def _keys(self) -> list[tuple]:
         """For each node, the JAX keys of its children (made once per GraphDef)."""
-        keys = self._plans.get("keys")
+        keys = self.memo.keys
         if keys is None:
-            keys = self._plans["keys"] = [
+            keys = self.memo.keys = [
                 tuple(KINDS[kind].jax_key(meta, i, len(refs)) for i in range(len(refs)))
                 for kind, meta, refs in self.records
             ]
@@ -283,9 +319,9 @@ class GraphDef:
         ``(path, unique leaf index)``; places below a shared node are listed at every
         place of that node. On a reference cycle, a reference back to a node entered
         above is not followed again (the cycle's places are listed once round)."""
-        out = self._plans.get("place leaves")
+        out = self.memo.place_leaves
         if out is None:
-            out = self._plans["place leaves"] = tuple(
+            out = self.memo.place_leaves = tuple(
                 (path, r // 3) for path, _, r, _, _, _ in _traverse(self, True, True) if r % 3 == 0
             )
         return out
@@ -299,18 +335,16 @@ class GraphDef:
             GraphError: one array is both state (below a cell) and held at a place
                 outside every cell; the message names both places.
         """
-        out = self._plans.get("state leaves")
+        out = self.memo.state_leaves
         if out is None:
-            out = self._plans["state leaves"] = _state_leaves(self)
+            out = self.memo.state_leaves = _state_leaves(self)
         return out
 
     def state_nodes(self) -> tuple[bool, ...]:
         """For each node (in `walk_places` index order), whether it is a state cell."""
-        out = self._plans.get("state nodes")
+        out = self.memo.state_nodes
         if out is None:
-            out = self._plans["state nodes"] = tuple(
-                KINDS[kind].is_state(meta) for kind, meta, _ in self.records
-            )
+            out = self.memo.state_nodes = tuple(KINDS[kind].is_state(meta) for kind, meta, _ in self.records)
         return out
 
 
@@ -422,8 +456,8 @@ class _Places:
 
 def place_paths(graphdef: GraphDef) -> _Places:
     """All places of every leaf, node and static of a graph, as keystr paths."""
-    if graphdef._places is not None:
-        return graphdef._places
+    if graphdef.memo.places is not None:
+        return graphdef.memo.places
     leaf_paths: list[list[str]] = [[] for _ in range(graphdef.num_leaves)]
     node_paths: list[list[str]] = [[] for _ in graphdef.records]
     static_paths: list[str] = [""] * len(graphdef.statics)
@@ -438,7 +472,7 @@ def place_paths(graphdef: GraphDef) -> _Places:
             order.append(r)
         lst.append(path)
     result = _Places(leaf_paths, node_paths, static_paths, order)
-    graphdef._places = result
+    graphdef.memo.places = result
     return result
 
 
@@ -451,8 +485,7 @@ def expand(graphdef: GraphDef, *, keep_state: bool = False) -> tuple[GraphDef, t
     ``keep_state`` a state cell stays one node at all its places (state is one
     object, never a per-place copy).
     """
-    cache_key = "expanded, state kept" if keep_state else None
-    cached = graphdef._plans.get(cache_key) if keep_state else graphdef._expanded
+    cached = graphdef.memo.expanded_with_state if keep_state else graphdef.memo.expanded
     if cached is not None:
         return cached
     records = graphdef.records
@@ -497,9 +530,9 @@ def expand(graphdef: GraphDef, *, keep_state: bool = False) -> tuple[GraphDef, t
     records_out = tuple((k, meta, tuple(refs)) for (k, meta), refs in zip(new_records, new_refs))
     out = (GraphDef(records_out, graphdef.statics, root_ref, len(place_leaf)), tuple(place_leaf))
     if keep_state:
-        graphdef._plans[cache_key] = out
+        graphdef.memo.expanded_with_state = out
     else:
-        graphdef._expanded = out
+        graphdef.memo.expanded = out
     return out
 
 
@@ -512,14 +545,13 @@ def rebuild_order(gdef: GraphDef) -> tuple:
     parent), so that a node is filled or built only once its children are complete: a
     JAX pytree that reads a list child while it is constructed sees it filled. The post
     order is the traversal's: a node is complete when the walk leaves its depth."""
-    plans = gdef._plans
-    plan = plans.get("order")
+    plan = gdef.memo.order
     if plan is None:
-        post = plans.get("post")  # the walk records it as it completes nodes
+        post = gdef.memo.post  # the walk records it as it completes nodes
         if post is None:
             post = post_order(gdef)
         mutable = tuple(j for j, rec in enumerate(gdef.records) if rec[0] in _MUTABLE)
-        plan = plans["order"] = (mutable, post)
+        plan = gdef.memo.order = (mutable, post)
     return plan
 
 

@@ -18,7 +18,7 @@ import jax
 from .errors import ModelChangedError, where
 from .graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
 from .live import WritePlan, live_lock, slots, write, write_plan
-from .plans.compile import compile_flatten
+from .plans import compile_flatten
 
 
 def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
@@ -76,7 +76,7 @@ def write_back(
             return
         if inputs is not None:  # every place still holds what the call was given, or nothing
             _unchanged_since_the_call(root, gdef, inputs, written, action)
-        plan = gdef._plans.get(("write", written, True))
+        plan = gdef.memo.write_plans.get((written, True))
         if isinstance(plan, WritePlan):  # the plan's way: no slots made
             if CHECK_PLANS:  # the plan's places compared with slots'
                 _find(root, gdef, written, action)
@@ -92,13 +92,13 @@ def _fused(root: Any, gdef: GraphDef, written: tuple, values: list, inputs: list
     then checks and writes its way, and names what changed). Under ``TIED_CHECK_PLANS=1``
     its verdict is compared with `_unchanged_since_the_call`'s, and every place `slots`
     finds must hold its new value after it wrote."""
-    plans = gdef._plans
-    fused = plans.get(("write-back", written))
+    memo = gdef.memo
+    fused = memo.write_backs.get(written)
     if fused is None:
-        plan = plans.get(("write", written, True))
-        if not isinstance(plan, WritePlan) or not plans.get("flatten plan") or len(inputs) != gdef.num_leaves:
+        plan = memo.write_plans.get((written, True))
+        if not isinstance(plan, WritePlan) or not memo.flatten_plan or len(inputs) != gdef.num_leaves:
             return False
-        fused = plans[("write-back", written)] = compile_flatten(gdef, writes=plan.writes) or False
+        fused = memo.write_backs[written] = compile_flatten(gdef, writes=plan.writes) or False
     if not fused:
         return False
     if not CHECK_PLANS:
@@ -165,11 +165,11 @@ def find_places(root: Any, gdef: GraphDef, which: tuple, *, action: str, frozen_
     made by the first `slots` run. ``gdef`` is that of a flatten of ``root`` just taken.
     Under ``TIED_CHECK_PLANS=1`` the plan's slots are compared with `slots`' (a difference,
     or a plan that gives up on a model of its own GraphDef, is a `PlanMismatch`)."""
-    key = ("write", which, frozen_ok)
-    plan = gdef._plans.get(key)
+    key = (which, frozen_ok)
+    plan = gdef.memo.write_plans.get(key)
     if plan is None:
         at, plan = write_plan(root, gdef, which, action=action, frozen_ok=frozen_ok)
-        gdef._plans[key] = _NO_PLAN if plan is None else plan
+        gdef.memo.write_plans[key] = _NO_PLAN if plan is None else plan
         return at
     if plan is _NO_PLAN:
         return slots(root, gdef, which, action=action, frozen_ok=frozen_ok)

@@ -59,6 +59,7 @@ from .loops import (
     flatten_lines,
     flatten_loop,
     layout,
+    layout_and_order,
     plain_attributes,
     unflatten_lines,
     unflatten_loop,
@@ -83,17 +84,6 @@ MAX_LARGE_PLAN_LINES = 60_000
 def plan_bound(sightings: int) -> int:
     """The most generated lines worth compiling for a structure seen ``sightings`` times."""
     return MAX_LARGE_PLAN_LINES if sightings >= LARGE_PLAN_SIGHTINGS else MAX_PLAN_LINES
-
-
-def flatten_size(gdef: GraphDef) -> int:
-    """About how many lines a flatten plan of ``gdef`` has (a line or more per place outside
-    loops, one loop body per run of identical layers: see `_loops`)."""
-    return flatten_lines(gdef)
-
-
-def unflatten_size(gdef: GraphDef) -> int:
-    """About how many lines an unflatten plan of ``gdef`` has."""
-    return unflatten_lines(gdef)
 
 
 class _Miss(Exception):
@@ -138,7 +128,7 @@ def _constants(ns: dict, sep: str = "") -> Callable[[Any, str], str]:
 
 def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
     """(parent node, child position, ref) for every place, in the walk's order."""
-    order = walk_order(gdef)
+    order = walk_order(gdef)  # a replay of the records, for a GraphDef numbered as a walk numbers
     if order is not None:
         return order
     return [(parent, i, r) for _, _, r, _, parent, i in _traverse(gdef, paths=False)]
@@ -147,7 +137,7 @@ def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
 # A generated-code emitter: one straight-line plan, one branch per kind of node; split
 # up, every piece would thread the namespace, the emitted lines and the bound locals.
 def compile_flatten(
-    gdef: GraphDef, max_lines: int = MAX_PLAN_LINES, writes: tuple | None = None
+    gdef: GraphDef, max_lines: int = MAX_PLAN_LINES, writes: tuple | None = None, order: list | None = None
 ) -> Callable[..., Any] | None:
     """A guarded flatten for graphs of exactly this GraphDef, or None if none can be made
     (a static the walk must look into, or a graph too large to be worth compiling).
@@ -158,7 +148,8 @@ def compile_flatten(
     must be ``inputs`` themselves (so they are distinct); only then every place is
     written, and it returns True (None, having written nothing, where the model is not
     of this GraphDef or holds other arrays). None is returned, instead of a function,
-    when a written container is read in a loop.
+    when a written container is read in a loop. ``order`` is the walk order, where the
+    caller has it at hand (`layout_and_order`, whose replay of the records makes it).
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
@@ -171,9 +162,10 @@ def compile_flatten(
     for s in gdef.statics:
         if _type_cache.get(type(s)) is not _STATIC:
             return None  # an object whose arrays the walk must look for each time
-    if flatten_size(gdef) > max_lines:
+    lay, found = layout_and_order(gdef)
+    if flatten_lines(gdef, lay) > max_lines:
         return None
-    order = _walk_order(gdef)
+    order = order or found or _walk_order(gdef)
     records = gdef.records
     ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
     ns["SAME"] = _same_strict
@@ -194,7 +186,6 @@ def compile_flatten(
     tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
     objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
     bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
-    lay = layout(gdef)
     run_at = {(run.parent, run.start): run for runs in lay.runs.values() for run in runs}
     # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
     starts: list[int] = []
@@ -454,7 +445,7 @@ def compile_unflatten(
     """Straight-line construction of one GraphDef's graph from leaves ``L`` and statics ``S``
     (None for a graph too large to be worth compiling: `unflatten` then walks)."""
     records = gdef.records
-    if unflatten_size(gdef) > max_lines:
+    if unflatten_lines(gdef) > max_lines:
         return None
     mutable, post = rebuild_order(gdef)
     ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}

@@ -80,31 +80,32 @@ class Layout(NamedTuple):
 def walk_order(gdef: GraphDef) -> list | None:
     """``(parent, position, reference)`` for every place of a walk's GraphDef, in the walk's
     order (None for a GraphDef numbered otherwise)."""
-    global _recent
-    recent = _recent
-    if recent is not None and recent[0] is gdef:  # the replay `layout` has just made
-        _recent = None
-        return recent[1]
     ext = _extents(gdef)
     return None if ext is None else ext.order
 
 
-# The walk order of the GraphDef whose layout was found last: a plan is compiled right after
-# (the replay costs about a µs a place). One GraphDef at most is held, and only until then.
-_recent: tuple | None = None
+def layout_and_order(gdef: GraphDef) -> tuple[Layout, list | None]:
+    """The runs and bulk nodes of ``gdef`` (computed once, kept in its memo), and, when they
+    were computed by this call, the walk order that their replay of the records made (the
+    replay costs about a µs a place, and a plan compiled right after needs the order); the
+    order is handed to the caller, never kept."""
+    out = gdef.memo.layout
+    if out is not None:
+        return out, None
+    out, order = _find(gdef)
+    gdef.memo.layout = out
+    return out, order
 
 
 def layout(gdef: GraphDef) -> Layout:
-    """The runs and bulk nodes of ``gdef`` (computed once, kept with its plans)."""
-    out = gdef._plans.get("layout")
-    if out is None:
-        out = gdef._plans["layout"] = _find(gdef)
-    return out
+    """The runs and bulk nodes of ``gdef`` (computed once, kept in its memo)."""
+    return layout_and_order(gdef)[0]
 
 
-def flatten_lines(gdef: GraphDef) -> int:
-    """About how many lines a flatten plan of ``gdef`` has."""
-    lay = layout(gdef)
+def flatten_lines(gdef: GraphDef, lay: Layout | None = None) -> int:
+    """About how many lines a flatten plan of ``gdef`` has (a line or more per place outside
+    loops, one loop body per run of identical layers)."""
+    lay = lay or layout(gdef)
     bulk = sum(len(gdef.records[j][2]) - 1 for j in lay.bulk)
     bodies = sum(r.places + 4 for runs in lay.runs.values() for r in runs)
     return 1 + lay.places - lay.looped_places - bulk + bodies
@@ -237,13 +238,11 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
     return tuple(sig)
 
 
-def _find(gdef: GraphDef) -> Layout:
-    global _recent
+def _find(gdef: GraphDef) -> tuple[Layout, list | None]:
     records = gdef.records
     ext = _extents(gdef)
     if ext is None:
-        return Layout({}, frozenset(), sum(len(rec[2]) for rec in records) + 1, 0, 0, 0)
-    _recent = (gdef, ext.order)
+        return Layout({}, frozenset(), sum(len(rec[2]) for rec in records) + 1, 0, 0, 0), None
     key = gdef._key()
     runs: dict[int, tuple[Run, ...]] = {}
     looped = [0, 0, 0]  # places, records, leaves
@@ -269,7 +268,7 @@ def _find(gdef: GraphDef) -> Layout:
                 looped[0] += run.count * run.places
                 looped[1] += run.count * run.nodes
                 looped[2] += run.count * run.leaves
-    return Layout(runs, ext.bulk, places, *looped)
+    return Layout(runs, ext.bulk, places, *looped), ext.order
 
 
 def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
