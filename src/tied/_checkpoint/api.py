@@ -330,7 +330,7 @@ def match_keys(
 
     Examples:
         >>> import jax, tied
-        >>> from tied._checkpoint import match_keys
+        >>> from tied._checkpoint.api import match_keys
         >>> emb = tied.nn.Embedding(10, 4, key=jax.random.key(0))
         >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}   # a tied head
         >>> keys = {"embed.weight": ("float32", [10, 4])}               # the file stores it once
