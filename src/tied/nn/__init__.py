@@ -29,21 +29,8 @@ Examples:
     (5, 8)
 """
 
-from ._layers import (
-    MLP,
-    BatchNorm,
-    CausalSelfAttention,
-    Chain,
-    Conv2d,
-    Dense,
-    Dropout,
-    Embedding,
-    KVCache,
-    LayerNorm,
-    RMSNorm,
-    TransformerBlock,
-    mode,
-)
+from ._layers import MLP, CausalSelfAttention, Chain, Dense, Embedding, LayerNorm, TransformerBlock
+from ._stateful import BatchNorm, Conv2d, Dropout, KVCache, RMSNorm, mode
 
 __all__ = [
     "Dense",

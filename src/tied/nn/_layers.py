@@ -11,23 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import View, materialize, register
-from ._stateful import BatchNorm, Conv2d, Dropout, KVCache, RMSNorm, _attend_cached, mode
-
-__all__ = [
-    "Dense",
-    "Chain",
-    "Embedding",
-    "LayerNorm",
-    "CausalSelfAttention",
-    "MLP",
-    "TransformerBlock",
-    "BatchNorm",
-    "Dropout",
-    "Conv2d",
-    "RMSNorm",
-    "KVCache",
-    "mode",
-]
+from ._stateful import KVCache, _attend_cached
 
 
 def _is_size(x: Any) -> bool:

@@ -29,9 +29,6 @@ from .._core import (
 from .._transforms import Convention, Grads, check_convention, total_of
 from ._state import Layout, OptState, ParamSpec, Trainable, dtype_name, keyed, match_state
 
-__all__ = ["OptState", "ParamSpec", "setup", "update", "update_inplace", "freeze", "thaw"]
-
-
 # ---------------------------------------------------------------- setup
 
 
