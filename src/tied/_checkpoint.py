@@ -296,6 +296,7 @@ def load(
             raise _plain_file(path)
         m = _manifest.match(src.doc, like, path, check)
         src.check(m.entries)
+        convert.require(path, m.entries, m.paths)
         _check_shardings(m, path)
         names = [e["name"] for e in m.entries]
         algo = _safetensors.checksum_of(src.doc)

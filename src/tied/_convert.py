@@ -176,3 +176,14 @@ class Convert:
                 ) from e
             leaves[i] = y
             a["shape"], a["dtype"] = [int(d) for d in y.shape], y.dtype.name
+            a["transformed"] = True  # so that a strict load without the inverse is refused, not silent
+
+    def require(self, where: str, entries: Sequence[dict], paths: Sequence[Sequence[str]]) -> None:
+        """Refuse a strict load that gives no transform where the save stored a transformed value."""
+        for a, ps in zip(entries, paths):
+            if a.get("transformed") is True and self.fn(ps) is None:
+                raise CheckpointError(
+                    f"{where}: the array at {keystr(ps[0])} ({a['name']!r}) was saved through a transform "
+                    "(tied.save(transform=...)), so its stored value is not like's. Pass the inverse as "
+                    "tied.load(..., transform=...) for that place."
+                )
