@@ -283,7 +283,7 @@ def test_a_truncated_shard_is_named(a_set):
     (a_set / shard).write_bytes(data[:-10])
     with pytest.raises(
         tied.CheckpointError,
-        match=rf"the shard {shard}, which the index names for 'model.embed.weight'.*cannot be read.*data ends",
+        match=rf"the shard {shard}, which the index names for 'model.embed.weight'.*cannot be read.*ends",
     ):
         by_keys(a_set)
 
