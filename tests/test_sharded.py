@@ -333,7 +333,7 @@ def test_only_the_shards_holding_needed_keys_are_read(tmp_path):
             '{"weight_map": {"a": "../s1.safetensors"}}',
             r"mapped to '../s1.safetensors', which is not a file name",
         ),
-        ('{"weight_map": {}}', r"no 'weight_map' object"),
+        ('{"weight_map": []}', r"no 'weight_map' object"),
         ("[1, 2", r"not JSON"),
         ('{"weight_map": {"a": "s1.safetensors"}, "metadata": 3}', r"'metadata' is not an object"),
         (
@@ -388,8 +388,10 @@ def test_a_directory_is_read_as_transformers_reads_it(tmp_path):
     assert np.array_equal(tied.load(tmp_path, like)["w"], a["w"])  # model.safetensors first
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "x.safetensors.index.json").write_text("{}")
+    assert np.array_equal(tied.load(tmp_path, like)["w"], b["w"])  # the name transformers reads first
+    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "y.safetensors.index.json")
     with pytest.raises(
-        tied.CheckpointError, match=r"several .*model.safetensors.index.json, x.safetensors.index.json"
+        tied.CheckpointError, match=r"several .*x.safetensors.index.json, y.safetensors.index.json"
     ):
         tied.load(tmp_path, like)
 
@@ -556,3 +558,16 @@ def test_bfloat16_arrays_keep_their_bits_in_a_set(tmp_path):
     tied.save(tmp_path, tree, max_shard_size=4)
     back = tied.load(tmp_path, tree)
     assert back["w"].dtype == ml_dtypes.bfloat16 and back["w"].tobytes() == tree["w"].tobytes()
+
+
+def test_a_tree_without_arrays_and_an_index_naming_other_files(tmp_path):
+    tied.save(tmp_path, {"n": 3}, max_shard_size=10)  # no arrays: one empty shard and its index
+    assert tied.load(tmp_path, {"n": 3}) == {"n": 3}
+    # An index that names a file which is not a shard: a save never removes it.
+    (tmp_path / "notes.txt").write_text("mine")
+    idx = index_of(tmp_path)
+    idx["weight_map"]["x"] = "notes.txt"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    tied.save(tmp_path, {"w": np.ones(2, np.float32)}, max_shard_size=10)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert np.array_equal(tied.load(tmp_path, {"w": np.zeros(2, np.float32)})["w"], np.ones(2, np.float32))

@@ -109,6 +109,18 @@ def save(
         True
         >>> bool((back.layers[1].bias == d1.bias).all())
         True
+
+        A sharded set in Hugging Face's layout, under another library's keys (each tied
+        array stored once, under the first place that ``keys`` names):
+
+        >>> folder = tempfile.mkdtemp()
+        >>> names = {".layers[0].weight": "fc.weight", ".layers[1].weight": "head.weight"}
+        >>> tied.save(folder, model, keys=names, max_shard_size="1KB")
+        >>> sorted(os.listdir(folder))
+        ['model-00001-of-00001.safetensors', 'model.safetensors.index.json']
+        >>> back = tied.load(folder, like=model)
+        >>> back.layers[0].weight is back.layers[1].weight
+        True
     """
     if format == "orbax":
         if keys is not None or transform is not None or max_shard_size is not None:

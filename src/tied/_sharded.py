@@ -3,8 +3,8 @@
 Three things the ecosystem's checkpoints need beyond `_safetensors`' one file:
 
 * **Finding the checkpoint in a directory** (`resolve`), in the order ``transformers``
-  reads one: ``model.safetensors`` first, then the one ``*.safetensors.index.json``,
-  then the one other safetensors file; a directory with an Orbax checkpoint (and
+  reads one: ``model.safetensors`` first, then ``model.safetensors.index.json`` (or the
+  one other ``*.safetensors.index.json``), then the one other safetensors file; a directory with an Orbax checkpoint (and
   none of these) is Orbax's. Several candidates, or none, is an error listing what
   the directory holds.
 * **Sharded sets**: an index ``{"metadata": {"total_size": ...}, "weight_map": {key:
@@ -110,6 +110,8 @@ def resolve(path: str) -> tuple[str, str]:
     if SINGLE in files:  # transformers reads it first, even beside an index (and so does a save's commit)
         return "file", os.path.join(path, SINGLE)
     indexes = [e for e in files if e.endswith(".safetensors.index.json")]
+    if INDEX in indexes:  # the one name transformers reads
+        indexes = [INDEX]
     singles = [e for e in files if e.endswith(".safetensors") and not _SHARD.match(e)]
     orbax = _looks_orbax(path, entries)
     found = indexes if indexes else singles
@@ -165,8 +167,8 @@ def read_index(path: str) -> tuple[dict[str, str], dict]:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(bad + f"it is not JSON ({type(e).__name__}).") from None
     wmap = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wmap, dict) or not wmap:
-        raise CheckpointError(bad + "no 'weight_map' object with at least one key.")
+    if not isinstance(wmap, dict):
+        raise CheckpointError(bad + "no 'weight_map' object.")
     for key, shard in wmap.items():
         if not _basename_ok(shard):
             raise CheckpointError(
@@ -326,11 +328,11 @@ class _Keys(Mapping):
 def plan(doc: dict, limit: int) -> list[list[int]]:
     """Arrays (indices, in flatten order) per shard: a new shard starts where the next array would
     take the current one over ``limit`` bytes, so only an array alone in its shard exceeds it."""
-    shards: list[list[int]] = []
+    shards: list[list[int]] = [[]]  # a tree without arrays still gets its (empty) shard
     size = 0
     for i, a in enumerate(doc["arrays"]):
         n = _safetensors.nbytes(_safetensors._DTYPES[_safetensors._TAGS[a["dtype"]]], a["shape"])
-        if not shards or (shards[-1] and size + n > limit):
+        if shards[-1] and size + n > limit:
             shards.append([])
             size = 0
         shards[-1].append(i)
@@ -411,7 +413,7 @@ def _protect(folder: str, active: str | None, new_names: set[str]) -> None:
     with open(active, "rb") as f:
         doc = json.load(f)
     wmap = doc["weight_map"]
-    taken = sorted({s for s in wmap.values() if s in new_names})
+    taken = sorted({s for s in wmap.values() if s in new_names and os.path.isfile(os.path.join(folder, s))})
     if not taken:
         return
     backup = {}
@@ -506,7 +508,7 @@ def write_set(folder: str, leaves: Sequence[Any], doc: dict, limit: int) -> None
         os.replace(index_tmp, os.path.join(folder, INDEX))
         _safetensors._fsync_dir(folder)
         for f in old:
-            if f not in names and f != INDEX:
+            if f not in names and f != INDEX and f.endswith((".safetensors", ".safetensors.index.json")):
                 _step("remove")
                 try:
                     os.unlink(os.path.join(folder, f))
