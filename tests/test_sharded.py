@@ -571,3 +571,58 @@ def test_a_tree_without_arrays_and_an_index_naming_other_files(tmp_path):
     tied.save(tmp_path, {"w": np.ones(2, np.float32)}, max_shard_size=10)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert np.array_equal(tied.load(tmp_path, {"w": np.zeros(2, np.float32)})["w"], np.ones(2, np.float32))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    pattern=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    named=st.lists(st.booleans(), min_size=6, max_size=6),
+    flips=st.lists(st.booleans(), min_size=4, max_size=4),
+    limit=st.integers(1, 300),
+    cast=st.booleans(),
+)
+def test_random_keys_transforms_and_casts_round_trip(tmp_path_factory, pattern, named, flips, limit, cast):
+    rng = np.random.default_rng(1)
+    pool = [rng.normal(size=(2 + j, 3)).astype(np.float32) for j in range(4)]  # (in, out) stored if flipped
+    tree = {f"p{i}": pool[j] for i, j in enumerate(pattern)}
+    keys = {f"['p{i}']": f"hf.{i}" for i in range(len(pattern)) if named[i]}
+    flip = {f"['p{i}']": np.transpose for i, j in enumerate(pattern) if flips[j]}  # one function per tie
+    if cast:
+        tree = {k: v.astype(ml_dtypes.bfloat16) for k, v in tree.items()}
+        tree = {f"p{i}": tree[f"p{pattern.index(j)}"] for i, j in enumerate(pattern)}  # re-tie
+    d = tmp_path_factory.mktemp("set")
+    tied.save(d, tree, keys=keys, transform=flip, max_shard_size=limit)
+    like = {f"p{i}": np.zeros_like(pool[j]) for i, j in enumerate(pattern)}
+    like = {f"p{i}": like[f"p{pattern.index(j)}"] for i, j in enumerate(pattern)}  # like's ties
+    want = {
+        f"p{i}": pool[j] if not cast else pool[j].astype(ml_dtypes.bfloat16).astype(np.float32)
+        for i, j in enumerate(pattern)
+    }
+    # The file as another library sees it: each array once, under the first named place's key.
+    plain = {}
+    for name in shards_of(d):
+        plain.update(safetensors.numpy.load_file(d / name))
+    first = {j: pattern.index(j) for j in set(pattern)}
+    for j, i0 in first.items():
+        name = next(
+            (keys[f"['p{i}']"] for i, jj in enumerate(pattern) if jj == j and f"['p{i}']" in keys),
+            f"['p{i0}']",
+        )
+        stored_value = plain[name].astype(np.float32)
+        assert np.array_equal(stored_value.T if flips[j] else stored_value, want[f"p{i0}"])
+    strict = tied.load(d, like, transform=flip, dtype="like" if cast else None)
+    renames = {v: k for k, v in keys.items()}
+    loose = tied.load(
+        d,
+        like,
+        strict=False,
+        rename=renames,
+        transform=flip,
+        dtype="like" if cast else None,
+        allow_extra=True,
+    )
+    for back in (strict, loose):
+        for i, j in enumerate(pattern):
+            assert back[f"p{i}"].dtype == np.float32 and np.array_equal(back[f"p{i}"], want[f"p{i}"])
+            for i2, j2 in enumerate(pattern):
+                assert (back[f"p{i}"] is back[f"p{i2}"]) == (j == j2)

@@ -303,6 +303,7 @@ def load(
         return _orbax.load(path, like)
     src = _sharded.Source(path, kind)
     check = convert.precheck if convert else None
+    convert.bind(like)
     if strict:
         if src.doc is None:
             raise _plain_file(path)

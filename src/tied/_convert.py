@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ._graph import flatten
 from ._manifest import CheckpointError, _check_leaf, keystr, stored
 
 
@@ -91,6 +92,16 @@ class Convert:
                 f"-> array; got {type(transform).__name__}."
             )
         self.transform, self.dtype, self.who = transform, dtype, who
+        self._places: dict[int, list[str]] = {}  # id of a leaf of like -> its places (see `bind`)
+
+    def bind(self, like: Any) -> None:
+        """Learn every place of each array of ``like``, so that the check before reading sees a
+        transform keyed by any place of a tied array (`match` names only its first)."""
+        if not isinstance(self.transform, Mapping):
+            return
+        leaves, gdef = flatten(like)
+        for p, i in gdef.place_leaves():
+            self._places.setdefault(id(leaves[i]), []).append(p)
 
     def __bool__(self) -> bool:
         return self.transform is not None or self.dtype is not None
@@ -114,9 +125,10 @@ class Convert:
     def precheck(self, where: str, place: str, leaf: Any, shape: Any, dtype: str, key: Any = None) -> None:
         """The check `match` runs before reading: skipped where a transform will run, the dtype
         left to the cast where ``dtype="like"``."""
-        if key is not None or stored(leaf)[2] is not None or self.fn([place]) is None and self.dtype is None:
+        fn = self.fn(self._places.get(id(leaf), [place]))
+        if key is not None or stored(leaf)[2] is not None or fn is None and self.dtype is None:
             return _check_leaf(where, place, leaf, shape, dtype, key)
-        if self.fn([place]) is not None:
+        if fn is not None:
             return None
         _check_leaf(where, place, leaf, shape, stored(leaf)[1] if self._castable(dtype, leaf) else dtype)
 

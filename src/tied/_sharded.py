@@ -4,9 +4,9 @@ Three things the ecosystem's checkpoints need beyond `_safetensors`' one file:
 
 * **Finding the checkpoint in a directory** (`resolve`), in the order ``transformers``
   reads one: ``model.safetensors`` first, then ``model.safetensors.index.json`` (or the
-  one other ``*.safetensors.index.json``), then the one other safetensors file; a directory with an Orbax checkpoint (and
-  none of these) is Orbax's. Several candidates, or none, is an error listing what
-  the directory holds.
+  one other ``*.safetensors.index.json``), then the one other safetensors file; a
+  directory with an Orbax checkpoint (and none of these) is Orbax's. Several
+  candidates, or none, is an error listing what the directory holds.
 * **Sharded sets**: an index ``{"metadata": {"total_size": ...}, "weight_map": {key:
   shard}}`` beside shards ``model-00001-of-0000N.safetensors``. `Source` reads one
   file or a set alike (only the shards that hold needed keys are opened). `write_set`
