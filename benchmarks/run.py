@@ -29,7 +29,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, host, manager, state
+from . import checkpoint, host, manager, sharded, state
 from . import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -351,6 +351,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += host.report(results["host"])
     if "checkpoint" in results:
         lines += checkpoint.report(results["checkpoint"])
+    if "sharded" in results:
+        lines += sharded.report(results["sharded"])
     if "manager" in results:
         lines += manager.report(results["manager"])
     if "state" in results:
@@ -408,6 +410,8 @@ def main(argv=None) -> dict:
     )
     print("[checkpoint] tied.save/load against safetensors, 0.5 GiB model with a tie", flush=True)
     results["checkpoint"] = checkpoint.main(["--rounds", "3" if args.quick else "7"])
+    print("[sharded] tied.save/load of a sharded set against safetensors, the same 0.5 GiB model", flush=True)
+    results["sharded"] = sharded.main(["--rounds", "3" if args.quick else "7"])
     print("[manager] tied.CheckpointManager: async save and a step beside it, 0.5 GiB model", flush=True)
     results["manager"] = manager.main(["--rounds", "3" if args.quick else "7"])
     print("[state] BatchNorm + Dropout step and KV-cache decode, against state threaded by hand", flush=True)

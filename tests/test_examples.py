@@ -27,6 +27,7 @@ def test_every_example_is_tested():
     tested.add("multihost")  # run as 2 local processes by tests/test_multiprocess.py
     tested.add("cnn_batchnorm")
     tested.add("resumable_training")  # run (and killed, and resumed) by tests/test_manager.py
+    tested.add("gpt2_from_transformers")  # run against transformers itself by tests/test_hf.py
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._core import flatten
-from . import document, manifest, safetensors_format
+from . import convert, manifest, safetensors_format, sharded
 from .document import CheckpointError, keystr
 
 __all__ = ["CheckpointError", "save", "load", "load_metadata"]
@@ -39,6 +39,9 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     *,
     format: Literal["safetensors", "orbax"] = "safetensors",
+    keys: Mapping[str, str | None] | Callable[[str], str | None] | None = None,
+    transform: Mapping[str, Callable] | Callable[[str, Any], Any] | None = None,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write a model (or an optimiser state, or any object graph) to a checkpoint, ties and all.
 
@@ -54,6 +57,14 @@ def save(
     split over several processes is refused, with the advice to pass
     ``format="orbax"``.
 
+    With ``max_shard_size`` the checkpoint is a sharded set in Hugging Face's
+    layout in the directory ``path``: shards ``model-00001-of-0000N.safetensors``
+    (headers ``{"format": "pt"}``, no shard over the limit unless one array is
+    alone in it) and ``model.safetensors.index.json`` (``metadata.total_size``,
+    ``weight_map``, and the tie manifest under ``metadata.tied``). A set already
+    there is replaced as a whole (a crash leaves the old set or the new one);
+    other files (a ``config.json``) stay.
+
     With ``format="orbax"`` the checkpoint is an Orbax directory at ``path``;
     every process calls `save`, and each writes only its own shards.
 
@@ -67,9 +78,21 @@ def save(
         metadata: JSON-serialisable values under string keys (a step number, a
             config), read back with `tied.load_metadata`.
         format: ``"safetensors"`` or ``"orbax"``.
+        keys: the file key of each place (a mapping from place to key, or a function
+            ``place -> key | None``): each unique array is stored once, under the key of its
+            first place (walk order) that ``keys`` names, else under its first place's path;
+            the manifest still records every place, so ``tied.load`` restores the ties, and a
+            reader that knows only keys (``transformers``) finds the names it expects.
+        transform: a function applied to each array before it is written (a mapping from
+            place to function, or a function ``(place, array) -> array``), e.g. ``lambda a:
+            a.T`` to store a weight in ``Conv1D``'s ``(in, out)`` layout; the file records
+            what is stored, so reading it back needs the inverse transform.
+        max_shard_size: write a sharded set into the directory ``path``: bytes, or a string
+            as ``transformers`` reads it (``"5GB"`` is 5*10**9 bytes, ``"5GiB"`` 5*2**30).
 
     Raises:
-        CheckpointError: an array the format cannot hold (a dtype, an array this
+        CheckpointError: two arrays given one key (a ``ValueError`` naming both places); an
+            array the format cannot hold (a dtype, an array this
             process cannot fully read), or metadata that is not JSON; the message
             names the path; two places written alike with the same keys (two
             ``float("nan")`` dict keys). Nothing is written then.
@@ -86,8 +109,25 @@ def save(
         True
         >>> bool((back.layers[1].bias == d1.bias).all())
         True
+
+        A sharded set in Hugging Face's layout, under another library's keys (each tied
+        array stored once, under the first place that ``keys`` names):
+
+        >>> folder = tempfile.mkdtemp()
+        >>> names = {".layers[0].weight": "fc.weight", ".layers[1].weight": "head.weight"}
+        >>> tied.save(folder, model, keys=names, max_shard_size="1KB")
+        >>> sorted(os.listdir(folder))
+        ['model-00001-of-00001.safetensors', 'model.safetensors.index.json']
+        >>> back = tied.load(folder, like=model)
+        >>> back.layers[0].weight is back.layers[1].weight
+        True
     """
     if format == "orbax":
+        if keys is not None or transform is not None or max_shard_size is not None:
+            raise CheckpointError(
+                "tied.save(format='orbax'): keys, transform and max_shard_size apply to safetensors "
+                "checkpoints; Orbax stores each array under its path, as it is, in its own shards."
+            )
         from . import orbax_format
 
         orbax_format.save(path, tree, metadata)
@@ -95,13 +135,21 @@ def save(
     if format != "safetensors":
         known = ", ".join(map(repr, _FORMATS))
         raise CheckpointError(f"tied.save(format={format!r}): the formats are {known}.")
-    if os.path.isdir(path):
+    limit = None if max_shard_size is None else sharded.parse_size(max_shard_size)
+    if limit is None and os.path.isdir(path):
         raise CheckpointError(
-            f"{os.fspath(path)} is a directory; a safetensors checkpoint is one file. Pass a file name, or "
-            "format='orbax' to write (over) an Orbax checkpoint directory."
+            f"{os.fspath(path)} is a directory; a safetensors checkpoint is one file. Pass a file name, "
+            "max_shard_size=... to write a sharded set into the directory, or format='orbax' to write "
+            "(over) an Orbax checkpoint directory."
         )
+    conv = convert.Convert(transform, who="tied.save")
     leaves, doc = manifest.describe(tree, metadata)
-    safetensors_format.write(path, leaves, doc)
+    convert.name_arrays(doc, keys)
+    conv.save(leaves, doc)
+    if limit is not None:
+        sharded.write_set(os.fspath(path), leaves, doc, limit)
+    else:
+        safetensors_format.write(path, leaves, doc)
 
 
 def load_metadata(path: str | os.PathLike) -> dict:
@@ -117,21 +165,22 @@ def load_metadata(path: str | os.PathLike) -> dict:
         >>> tied.load_metadata(path)
         {'step': 500}
     """
-    path = os.fspath(path)
-    if os.path.isdir(path):
+    kind, target = sharded.resolve(os.fspath(path))
+    if kind == "orbax":
         from . import orbax_format
 
-        return orbax_format.load_metadata(path)
-    doc = safetensors_format.open_header(path).doc
+        return orbax_format.load_metadata(target)
+    doc = sharded.Source(target, kind).doc
     if doc is None:
-        raise _plain_file(path)
+        raise _plain_file(target)
     return doc.get("user", {})
 
 
 def _plain_file(path: str) -> CheckpointError:
+    what = "an index" if path.endswith(".json") else "a safetensors file"
     return CheckpointError(
-        f"{path}: a safetensors file without tied's metadata (no '{document.FORMAT}' entry in "
-        "__metadata__), so its places and ties are unknown. Load it with tied.load(path, like, "
+        f"{path}: {what} without tied's metadata (no '{manifest.FORMAT}' entry in its "
+        "metadata), so its places and ties are unknown. Load it with tied.load(path, like, "
         "strict=False), which reads each array of like from a key naming one of its places (rename= "
         "maps other keys), or save it with tied.save."
     )
@@ -144,6 +193,8 @@ def load(
     strict: bool = True,
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     allow_extra: bool = False,
+    transform: Mapping[str, Callable] | Callable[[str, Any], Any] | None = None,
+    dtype: Literal["like"] | None = None,
 ) -> Any:
     """Read a checkpoint into a new object graph shaped like ``like``, with the checkpoint's values and ties.
 
@@ -156,8 +207,11 @@ def load(
     uncommitted JAX array otherwise. Every check runs before any array is built,
     so an error never leaves a partly loaded model.
 
-    A directory is read as an Orbax checkpoint written by ``tied.save(...,
-    format="orbax")``; a file as safetensors.
+    ``path`` may be a safetensors file, a sharded set's index
+    (``*.safetensors.index.json``: only the shards holding needed keys are
+    opened), or a directory holding one of these (``model.safetensors`` first,
+    as ``transformers`` reads a ``save_pretrained`` directory) or an Orbax
+    checkpoint written by ``tied.save(..., format="orbax")``.
 
     With ``strict=True`` (the default) the file must have been written by
     `tied.save`: its places, sharing, views, dtypes and shapes must be
@@ -182,6 +236,13 @@ def load(
             None for a key to skip when ``allow_extra``).
         allow_extra: with ``strict=False``, leave keys that name no place unread
             instead of refusing the file.
+        transform: applied to each value read (after ``rename``, before the shape
+            and dtype checks): a mapping from a place of ``like`` to a function of
+            the array, or a function ``(place, array) -> array``; e.g. ``lambda a:
+            a.T`` for GPT-2's ``Conv1D`` weights, stored ``(in, out)``.
+        dtype: None (the file's dtypes must be ``like``'s) or ``"like"``: each
+            floating-point value is cast to ``like``'s dtype at its place (a
+            bfloat16 file into a float32 model).
 
     Returns:
         The new graph: where the checkpoint has one array at several places, the
@@ -224,7 +285,14 @@ def load(
         raise CheckpointError(
             "tied.load(rename=..., allow_extra=...) apply to files read by their keys: pass strict=False."
         )
-    if os.path.isdir(path):
+    conv = convert.Convert(transform, dtype)
+    kind, path = sharded.resolve(path)
+    if kind == "orbax":
+        if conv:
+            raise CheckpointError(
+                f"{path}: transform and dtype apply to safetensors checkpoints; an Orbax checkpoint "
+                "is restored with like's shapes and dtypes."
+            )
         if not strict:
             raise CheckpointError(
                 f"{path}: a directory is read as a tied Orbax checkpoint, whose manifest is always "
@@ -233,37 +301,51 @@ def load(
         from . import orbax_format
 
         return orbax_format.load(path, like)
-    header = safetensors_format.open_header(path)
+    src = sharded.Source(path, kind)
+    check = conv.precheck if conv else None
+    conv.bind(like)
     if strict:
-        if header.doc is None:
+        if src.doc is None:
             raise _plain_file(path)
-        m = manifest.match(header.doc, like, path)
+        m = manifest.match(src.doc, like, path, check)
+        src.check(m.entries)
+        conv.require(path, m.entries, m.paths)
         _check_shardings(m, path)
         names = [e["name"] for e in m.entries]
-        algo = safetensors_format.checksum_of(header.doc)
-        arrays = safetensors_format.read(path, header, names, [e[algo] for e in m.entries], algo)
+        algo = safetensors_format.checksum_of(src.doc)
+        arrays = src.read(names, [e[algo] for e in m.entries], algo)
+        if conv:
+            arrays = [
+                conv.apply(path, ps, src.where(n), x, y)
+                for n, x, y, ps in zip(names, arrays, m.like, m.paths)
+            ]
     else:
-        keys = {k: (t.dtype.name, t.shape) for k, t in header.tensors.items()}
-        m = match_keys(keys, like, path, rename=rename, allow_extra=allow_extra)
+        m = match_keys(src.keys, like, path, rename=rename, allow_extra=allow_extra, check=check)
         _check_shardings(m, path)
-        arrays = _read_by_keys(path, header, m)
+        arrays = _read_by_keys(src, m, conv)
     return manifest.build(m, [_own(x, leaf) for x, leaf in zip(arrays, m.like)])
 
 
-def _read_by_keys(path: str, header: Any, m: manifest.Match) -> list:
-    """Read each unique array from its first key; where the file holds it under more keys, all must agree."""
+def _read_by_keys(src: sharded.Source, m: manifest.Match, conv: convert.Convert) -> list:
+    """Read each unique array from its first key; where the file holds it under more keys, all must
+    agree (after each key's transform and cast)."""
+    path = src.path
     sums: dict[str, int] = {}
     algo = "crc32c"
-    if header.doc is not None:  # a tied file read by its keys: its checksums still hold
-        algo = safetensors_format.checksum_of(header.doc)
-        sums = {a["name"]: a[algo] for a in header.doc["arrays"]}
+    if src.doc is not None:  # a tied file read by its keys: its checksums still hold
+        algo = safetensors_format.checksum_of(src.doc)
+        sums = {a["name"]: a[algo] for a in src.doc["arrays"]}
     names = [k for e in m.entries for k in e["keys"]]
-    got = dict(zip(names, safetensors_format.read(path, header, names, [sums.get(k) for k in names], algo)))
+    got = dict(zip(names, src.read(names, [sums.get(k) for k in names], algo)))
     out = []
-    for e, ps in zip(m.entries, m.paths):
+    for e, ps, leaf in zip(m.entries, m.paths, m.like):
+        if conv:
+            for k, p in zip(e["keys"], e["places"]):
+                got[k] = conv.apply(path, [p, *(q for q in ps if q != p)], src.where(k), got[k], leaf)
         first = got[e["keys"][0]]
         for other in e["keys"][1:]:
-            if first.tobytes() != got[other].tobytes():
+            x = got[other]
+            if first.dtype != x.dtype or first.shape != x.shape or first.tobytes() != x.tobytes():
                 raise CheckpointError(
                     f"{path}: the keys {e['keys'][0]!r} and {other!r} hold different values, but in like "
                     f"they are places of one array ({', '.join(keystr(p) for p in ps)}). Give "
@@ -303,6 +385,7 @@ def match_keys(
     *,
     rename: Mapping[str, str] | Callable[[str], str] | None = None,
     allow_extra: bool = False,
+    check: Callable[..., None] | None = None,
 ) -> manifest.Match:
     """Pair each unique array of ``like`` with a key of a plain file (no tie metadata).
 
@@ -318,9 +401,11 @@ def match_keys(
         where: the file's path, for messages.
         rename: file key -> place of ``like``.
         allow_extra: accept file keys that name no place of ``like`` (they are not read).
+        check: what checks a key's shape and dtype against ``like`` (default: they must be equal).
 
     Returns:
-        A `Match` whose entries are ``{"name": first file key, "keys": every file key}``.
+        A `Match` whose entries are ``{"name": first file key, "keys": every file key,
+        "places": the place each key names}``.
 
     Raises:
         CheckpointError: a unique array none of whose places the file holds (naming
@@ -337,7 +422,7 @@ def match_keys(
         >>> m = match_keys(keys, like=model, where="hf.safetensors",
         ...                rename={"embed.weight": "['embed'].weight"})
         >>> m.entries
-        [{'name': 'embed.weight', 'keys': ['embed.weight']}]
+        [{'name': 'embed.weight', 'keys': ['embed.weight'], 'places': ["['embed'].weight"]}]
         >>> m.paths
         [("['embed'].weight", "['head'].weight")]
     """
@@ -414,6 +499,6 @@ def match_keys(
         hits.sort(key=lambda hit: ps.index(hit[0]))  # in like's walk order, whatever the file's
         for p, key in hits:
             dtype, shape = keys[key]
-            manifest._check_leaf(where, p, leaf, shape, dtype)
-        entries.append({"name": hits[0][1], "keys": [key for _, key in hits]})
+            (check or manifest._check_leaf)(where, p, leaf, shape, dtype)
+        entries.append({"name": hits[0][1], "keys": [key for _, key in hits], "places": [p for p, _ in hits]})
     return manifest.Match(gdef, leaves, entries, list(paths))

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -422,7 +422,7 @@ def _check_leaf(
         )
 
 
-def match(doc: dict, like: Any, where: str) -> Match:
+def match(doc: dict, like: Any, where: str, check: Callable[..., None] | None = None) -> Match:
     """Check a (validated) manifest against ``like`` and pair each unique array of ``like`` with an entry.
 
     Views are compared first (a view changes the places below it, so this names
@@ -434,6 +434,8 @@ def match(doc: dict, like: Any, where: str) -> Match:
         doc: a manifest that passed `validate`.
         like: the object graph to load into; leaves may be arrays or ``jax.ShapeDtypeStruct``.
         where: the checkpoint's path, for messages.
+        check: what checks a leaf's stored shape and dtype (default `_check_leaf`; `tied.load`'s
+            ``transform`` and ``dtype`` check after converting instead).
 
     Returns:
         A `Match`.
@@ -501,7 +503,7 @@ def match(doc: dict, like: Any, where: str) -> Match:
     marks = doc["version"] >= 3  # earlier files do not say which arrays are state
     for leaf, ids, is_state in zip(leaves, like_ids, gdef.state_leaves()):
         a = doc["arrays"][file_at[ids[0]]]
-        _check_leaf(where, ids[0][0], leaf, a["shape"], a["dtype"], a.get("key"))
+        (check or _check_leaf)(where, ids[0][0], leaf, a["shape"], a["dtype"], a.get("key"))
         if marks and a.get("state", False) != is_state:
             kinds = ("a parameter", "state") if is_state else ("state", "a parameter")
             raise CheckpointError(
