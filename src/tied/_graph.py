@@ -45,6 +45,7 @@ from ._classify import (
 from ._graphdef import (
     GraphDef,
     Place,
+    StateClash,
     ViewInfo,
     expand,
     place_paths,
@@ -276,6 +277,7 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
 
 _VALUE_KINDS = frozenset(kind.index for kind in KINDS if kind.value_when_static)
 _FRESH = frozenset(kind.index for kind in KINDS if kind.fresh_children)
+_MAY_BE_STATE = frozenset(kind.index for kind in KINDS if kind.may_be_state)
 
 
 def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> int:
@@ -306,19 +308,35 @@ def _arrays_in_static_data(x: Any) -> None:
 
 
 def _enter(
-    leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set, post: list
+    leaves: list,
+    records: list,
+    statics: list,
+    memo: dict,
+    stack: list,
+    open_immutable: set,
+    post: list,
+    cells: tuple[list, list],
 ):
     """The walk's step into one object: ``enter(x)`` is the reference of ``x`` if it is
-    finished at once, else None (a frame was pushed on ``stack``)."""
+    finished at once, else None (a frame was pushed on ``stack``). ``cells`` collects the
+    unique arrays met below a state cell, and the nodes met again in the other context
+    (below a cell at one place, outside every cell at another)."""
     # Children made on the fly by a pytree's flatten are held here: once freed, their
     # ids could be reused by later objects and read as sharing through `memo`.
     alive: list = []
     kind_of = _kind
     get = memo.get
+    below_cell: list[bool] = []  # by node: whether it was entered below a state cell
+    cell_leaves, moved = cells
 
     def enter(x: Any) -> int | None:
         k = kind_of(x)
+        in_cell = stack[-1][6] if stack else False
         if k is _ARRAY:
+            if in_cell:  # state is shared by cell: an array below one is its own at each place
+                cell_leaves.append(len(leaves))
+                leaves.append(x)
+                return 3 * len(leaves) - 3
             r = get(id(x))
             if r is None:
                 r = 3 * len(leaves)
@@ -336,11 +354,14 @@ def _enter(
         if r is not None:
             if r in open_immutable:
                 _cycle_error(k)
+            if below_cell[r // 3] != in_cell:
+                moved.append(r)  # checked once the walk is done (see _check_state)
             return r
         j = len(records)
         r = 3 * j + 1
         memo[id(x)] = r
         records.append(None)
+        below_cell.append(in_cell)
         children, meta = KINDS[k].children(x)
         if k in _FRESH:
             alive.append(children)
@@ -349,36 +370,50 @@ def _enter(
             _arrays_in_static_data(x)
         if k not in _MUTABLE:
             open_immutable.add(r)
-        stack.append([j, k, meta, children, 0, []])
+        cell = in_cell or (k in _MAY_BE_STATE and KINDS[k].is_state(meta))
+        stack.append([j, k, meta, children, 0, [], cell])
         return None
 
     return enter
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:
-    """The plain walk, iterative (any depth): the one place where sharing is decided."""
+    """The plain walk, iterative (any depth): the one place where sharing is decided.
+
+    Arrays and nodes are shared by identity, except the arrays below a state cell: state
+    is shared by cell (one cell at two places is one node), never by the array a cell
+    holds, so each place of an array below a cell is a unique array of its own (two cells
+    given one array are two states, written apart). Such an array may not also sit at a
+    place outside every cell (`_check_state`)."""
     leaves: list = []
     records: list = []
     statics: list = []
     memo: dict[int, int] = {}
     get = memo.get
-    # A frame: [record index, kind, meta, children, next child, refs so far].
+    # A frame: [record index, kind, meta, children, next child, refs so far, below a cell].
     stack: list[list] = []
     open_immutable: set[int] = set()
     post: list[int] = []  # the nodes as they are completed: the order `unflatten` builds in
-    enter = _enter(leaves, records, statics, memo, stack, open_immutable, post)
+    cells: tuple[list, list] = ([], [])  # arrays below a cell; nodes met in both contexts
+    cell_leaves = cells[0]
+    enter = _enter(leaves, records, statics, memo, stack, open_immutable, post, cells)
     type_cache = _type_cache
     try:
         result = enter(tree)
         while stack:
             frame = stack[-1]
-            children, i, refs = frame[3], frame[4], frame[5]
+            children, i, refs, in_cell = frame[3], frame[4], frame[5], frame[6]
             n = len(children)
             while i < n:  # arrays and statics of known types inline; the rest through enter
                 c = children[i]
                 i += 1
                 k = type_cache.get(type(c))
                 if k is _ARRAY:
+                    if in_cell:  # below a state cell: an array of its own at this place
+                        cell_leaves.append(len(leaves))
+                        refs.append(3 * len(leaves))
+                        leaves.append(c)
+                        continue
                     r = get(id(c))
                     if r is None:
                         r = 3 * len(leaves)
@@ -399,7 +434,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
             if stack[-1] is not frame:
                 continue
             stack.pop()
-            j, k, meta, _, _, refs = frame
+            j, k, meta, _, _, refs, _ = frame
             records[j] = (k, meta, tuple(refs))
             post.append(j)
             r = 3 * j + 1
@@ -413,11 +448,32 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         path = "".join(KINDS[f[1]].key(f[2], f[4] - 1, len(f[3])) for f in stack)
         raise e.finish(path) from None
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
+    if cell_leaves or cells[1]:
+        _check_state(gdef, leaves, memo, cells)
     if result % 3 == 1:  # the build order (see rebuild_order), known already
         order = gdef._plans["post"] = tuple(post)
         if CHECK_PLANS and order != post_order(gdef):
             raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
     return leaves, gdef
+
+
+def _check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, list]) -> None:
+    """Record on ``gdef`` which unique arrays are state. An array below a state cell that
+    also sits at a place outside every cell (itself, or below a node met in both contexts)
+    is a `StateClash` naming both places: state is never a parameter."""
+    cell_leaves, moved = cells
+    for q in cell_leaves:
+        r = memo.get(id(leaves[q]))  # the same array (alive in `leaves`) outside every cell
+        if r is not None:
+            paths = place_paths(gdef).leaves
+            raise StateClash(paths[r // 3][0], paths[q][0])
+    if moved:  # the traversal of every place decides (and raises on a clash)
+        gdef.state_leaves()
+        return
+    state = [False] * len(leaves)
+    for q in cell_leaves:
+        state[q] = True
+    gdef._plans["state leaves"] = tuple(state)
 
 
 def _cycle_error(kind: int) -> None:

@@ -27,7 +27,7 @@ from ._strict import _strict
 _META_AS_IS = frozenset(k.index for k in KINDS if type(k).strict_meta is _as_is)
 _first = operator.itemgetter(0)
 
-__all__ = ["GraphDef", "Place", "ViewInfo", "expand", "place_paths", "rebuild_order"]
+__all__ = ["GraphDef", "Place", "StateClash", "ViewInfo", "expand", "place_paths", "rebuild_order"]
 
 
 class ViewInfo(NamedTuple):
@@ -312,6 +312,27 @@ class GraphDef:
         return out
 
 
+class StateClash(GraphError):
+    """One array both below a state cell and at a parameter place: the message names both
+    places (``renamed`` writes them another way: as a call's arguments, say)."""
+
+    def __init__(self, param: str, state: str, name: Callable[[str], str] | None = None):
+        self.param, self.state = param, state
+        p, s = (name or _root_name)(param), (name or _root_name)(state)
+        super().__init__(
+            f"{p} and {s}: one array is both a parameter place and a state place (below a state "
+            f"cell at {s}). State changes when the model runs and is never trained, so the two "
+            "cannot be one object: give the state its own array (e.g. jnp.array(x) copies it)."
+        )
+
+    def renamed(self, name: Callable[[str], str]) -> StateClash:
+        return StateClash(self.param, self.state, name)
+
+
+def _root_name(path: str) -> str:
+    return path or "<root>"
+
+
 def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
     cells = gdef.state_nodes()
     if not any(cells):
@@ -330,12 +351,7 @@ def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
                 state[q] = (above, path)
             elif seen[0] != above:
                 s, p = (seen[1], path) if seen[0] else (path, seen[1])
-                raise GraphError(
-                    f"{p or '<root>'} and {s or '<root>'}: one array is both a parameter place and "
-                    f"a state place (below a state cell at {s or '<root>'}). State changes when "
-                    "the model runs and is never trained, so the two cannot be one object: give the "
-                    "state its own array (e.g. jnp.array(x) copies it)."
-                )
+                raise StateClash(p, s)
     return tuple(bool(s and s[0]) for s in state)
 
 

@@ -291,3 +291,50 @@ def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: st
                 "(tied.jit(step)(model, x)), or compute the state update outside it."
             )
     return None
+
+
+def static_snapshot(statics: list[tuple[str, Any]]) -> list:
+    """What the static arguments of a call hold before it runs: ``(path, object, arrays,
+    GraphDef)`` for each that tied can walk and that holds arrays (``path`` is its place
+    in ``(args, kwargs)``)."""
+    out = []
+    for path, v in statics:
+        try:
+            leaves, gdef = flatten(v)
+        except GraphError:  # not a graph tied walks: nothing of it can be written back
+            continue
+        if leaves:
+            out.append((path, v, leaves, gdef))
+    return out
+
+
+def refuse_static_writes(held: list, name: Any) -> None:
+    """Refuse a function that wrote into a static argument (``held`` from `static_snapshot`),
+    after putting back what it held where that can be done: a static argument is the
+    caller's own object, and a compiled function's constant, so what the function put
+    there would stay a traced value, and a later call (which does not trace) would not
+    write it at all."""
+    for path, v, leaves, gdef in held:
+        now, now_gdef = flatten(v)
+        if now_gdef == gdef:
+            changed = [q for q, (a, b) in enumerate(zip(leaves, now)) if a is not b]
+            if not changed:
+                continue
+            where = f"{name(path + gdef.leaf_paths()[changed[0]][0])}: the function wrote a new value here"
+            try:
+                with lock:
+                    at = slots(v, gdef, changed, action="tied.jit", frozen_ok=True)
+                    write(at, [leaves[q] for q in changed])
+                undone = "it was put back as it was"
+            except GraphError:
+                undone = "it could not be put back: assign arrays to those places again"
+        else:
+            where = first_difference(gdef, now_gdef, lambda p, at=path: name(at + p))
+            undone = "that change could not be undone: build the argument again"
+        raise GraphError(
+            f"{where}, in an argument given as static (static_argnums / static_argnames); {undone}. "
+            "A static argument is a constant of the compiled function: a value written into it "
+            "would stay a traced value in your object, and a later call (which does not trace "
+            "again) would write nothing. Pass the argument as a traced one (leave it out of "
+            "static_argnums), so that tied.jit writes its new values back after each call."
+        )
