@@ -349,6 +349,7 @@ def _enter(
             statics.append(x)
             return 3 * len(statics) - 1
         if k in _VALUE_KINDS and all(kind_of(c) is _STATIC for c in x):
+            below_cell.append(in_cell)  # a record of its own (never met again: not in memo)
             return _value_record(k, x, records, statics, post)
         r = get(id(x))
         if r is not None:

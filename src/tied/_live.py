@@ -139,10 +139,11 @@ def slots(
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
                 slot: Any = None
-                if not kind.can_write(node.meta) or (state[place.index] and not kind.is_state(node.meta)):
+                in_value = state[place.index] and not kind.is_state(node.meta)
+                if not kind.can_write(node.meta) or in_value:
                     # Below a state cell's value: the cell gets a rebuilt value, so a container
                     # of the old value (a snapshot the caller kept) is never changed in place.
-                    slot = _cell_slot(place, node, i, gdef, shared) if not kind.is_state(node.meta) else None
+                    slot = _cell_slot(place, node, i, gdef, shared) if in_value else None
                     if slot is None:
                         raise _immutable_error(place.path, kind, node.obj, action)
                 elif not frozen_ok and _is_frozen_dataclass(node.obj):
