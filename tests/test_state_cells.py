@@ -88,7 +88,9 @@ def test_ties_report_no_tie_between_cells_given_one_array():
 
 
 def two_batchnorms():
-    return tied.nn.Chain(tied.nn.BatchNorm(3), tied.nn.Dense(3, 3, key=jax.random.key(0)), tied.nn.BatchNorm(3))
+    return tied.nn.Chain(
+        tied.nn.BatchNorm(3), tied.nn.Dense(3, 3, key=jax.random.key(0)), tied.nn.BatchNorm(3)
+    )
 
 
 def reset(model):
@@ -160,7 +162,9 @@ def test_checkpoint_after_a_reset_with_one_array_restores_into_a_fresh_model(tmp
     restored = tied.load(path, like=two_batchnorms())
     for i in (0, 2):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
-            np.testing.assert_array_equal(getattr(restored.layers[i], name).value, getattr(model.layers[i], name).value)
+            np.testing.assert_array_equal(
+                getattr(restored.layers[i], name).value, getattr(model.layers[i], name).value
+            )
     np.testing.assert_array_equal(restored.layers[1].weight, model.layers[1].weight)
 
 
@@ -173,7 +177,7 @@ def test_checkpoint_of_cells_given_one_array_before_any_write(tmp_path):
     np.testing.assert_array_equal(restored.layers[2].running_var.value, np.zeros(3))
 
 
-# ---------------------------------------------------------------- point 5: an array below a cell and at a parameter place
+# ---- point 5: an array below a cell and at a parameter place
 
 
 def test_an_array_below_a_cell_and_at_a_parameter_place_is_refused_alike():
@@ -256,7 +260,7 @@ def test_state_written_through_a_static_keyword_argument_is_refused():
     assert net.count.value is before
 
 
-# ---------------------------------------------------------------- points 7 and 8: every state cell class alike
+# ---- points 7 and 8: every state cell class alike
 
 
 @tied.register_state
@@ -329,7 +333,7 @@ def test_a_container_shared_by_two_cells_is_refused_when_written_not_cut():
     np.testing.assert_array_equal(shared["m"], np.zeros(2))
 
 
-# ---------------------------------------------------------------- downstream of two leaves that are one object
+# ---- downstream of two leaves that are one object
 
 
 def test_donating_cells_given_one_array_donates_each_buffer_once():
@@ -356,7 +360,9 @@ def test_optimiser_never_steps_cells_given_one_array_and_map_sees_two_states():
     state = tied.optim.setup(optax.adam(0.1), model)
     g = tied.grad(lambda m: (m["w"] ** 2).sum())(model)
     new, _ = tied.optim.update(state, model, g)
-    assert new["cells"][0].value is model["cells"][0].value and new["cells"][1].value is model["cells"][1].value
+    assert (
+        new["cells"][0].value is model["cells"][0].value and new["cells"][1].value is model["cells"][1].value
+    )
     bumped = tied.map(lambda x: x + 1, model, only="state")
     assert bumped["cells"][0] is not bumped["cells"][1]
     assert [float(c.value) for c in bumped["cells"]] == [1.0, 1.0]

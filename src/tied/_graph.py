@@ -33,7 +33,9 @@ from ._classify import (
     _ARRAY,
     _STATIC,
     _UNKNOWN,
+    _arrays_in_static_data,
     _cache_lock,
+    _cycle_error,
     _has_arrays,
     _kind,
     _type_cache,
@@ -47,6 +49,7 @@ from ._graphdef import (
     Place,
     StateClash,
     ViewInfo,
+    check_state,
     expand,
     place_paths,
     post_order,
@@ -54,7 +57,7 @@ from ._graphdef import (
     untracked,
     view_failed,
 )
-from ._kinds import _KIND_NAMES, _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
+from ._kinds import _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
 from ._plan import (
     LARGE_PLAN_SIGHTINGS,
     MAX_PLAN_LINES,
@@ -79,7 +82,7 @@ __all__ = [
 ]
 # Re-exported for the modules above (they import these from `_graph`).
 _REEXPORTED = (KIND_BY_NAME, Kind, clear_caches, is_walkable_type)
-_REEXPORTED += (expand, place_paths, read_places, untracked)
+_REEXPORTED += (expand, place_paths, read_places, untracked, StateClash)
 
 
 # ---------------------------------------------------------------- flatten
@@ -293,40 +296,19 @@ def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> i
     return 3 * j + 1
 
 
-def _arrays_in_static_data(x: Any) -> None:
-    name = type(x).__qualname__
-
-    def message(path: str) -> str:
-        return (
-            f"{path}: the static (auxiliary) data of this {name} holds arrays or a tied layer: "
-            "JAX and tied treat static data as a constant, so they would get no gradient, no "
-            "optimiser step, no place in a checkpoint, and be left behind by every rebuild. "
-            "Make it a regular field (for an Equinox module: drop eqx.field(static=True) from it)."
-        )
-
-    raise _WalkError(message)
-
-
 def _enter(
-    leaves: list,
-    records: list,
-    statics: list,
-    memo: dict,
-    stack: list,
-    open_immutable: set,
-    post: list,
-    cells: tuple[list, list],
+    leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set, post: list
 ):
-    """The walk's step into one object: ``enter(x)`` is the reference of ``x`` if it is
-    finished at once, else None (a frame was pushed on ``stack``). ``cells`` collects the
-    unique arrays met below a state cell, and the nodes met again in the other context
-    (below a cell at one place, outside every cell at another)."""
+    """The walk's step into one object: ``(enter, cells)``; ``enter(x)`` is the reference of
+    ``x`` if it is finished at once, else None (a frame was pushed on ``stack``). ``cells``:
+    the arrays met below a state cell, and the nodes met below one and outside every one."""
     # Children made on the fly by a pytree's flatten are held here: once freed, their
     # ids could be reused by later objects and read as sharing through `memo`.
     alive: list = []
     kind_of = _kind
     get = memo.get
     below_cell: list[bool] = []  # by node: whether it was entered below a state cell
+    cells: tuple[list, list] = ([], [])
     cell_leaves, moved = cells
 
     def enter(x: Any) -> int | None:
@@ -375,17 +357,13 @@ def _enter(
         stack.append([j, k, meta, children, 0, [], cell])
         return None
 
-    return enter
+    return enter, cells
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:
-    """The plain walk, iterative (any depth): the one place where sharing is decided.
-
-    Arrays and nodes are shared by identity, except the arrays below a state cell: state
-    is shared by cell (one cell at two places is one node), never by the array a cell
-    holds, so each place of an array below a cell is a unique array of its own (two cells
-    given one array are two states, written apart). Such an array may not also sit at a
-    place outside every cell (`_check_state`)."""
+    """The plain walk, iterative (any depth): the one place where sharing is decided. State
+    is shared by cell, never by the array a cell holds: an array below a state cell is a
+    unique array of its own at each place (two cells given one array are two states)."""
     leaves: list = []
     records: list = []
     statics: list = []
@@ -395,9 +373,8 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     stack: list[list] = []
     open_immutable: set[int] = set()
     post: list[int] = []  # the nodes as they are completed: the order `unflatten` builds in
-    cells: tuple[list, list] = ([], [])  # arrays below a cell; nodes met in both contexts
+    enter, cells = _enter(leaves, records, statics, memo, stack, open_immutable, post)
     cell_leaves = cells[0]
-    enter = _enter(leaves, records, statics, memo, stack, open_immutable, post, cells)
     type_cache = _type_cache
     try:
         result = enter(tree)
@@ -450,45 +427,12 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         raise e.finish(path) from None
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
     if cell_leaves or cells[1]:
-        _check_state(gdef, leaves, memo, cells)
+        check_state(gdef, leaves, memo, cells)
     if result % 3 == 1:  # the build order (see rebuild_order), known already
         order = gdef._plans["post"] = tuple(post)
         if CHECK_PLANS and order != post_order(gdef):
             raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
     return leaves, gdef
-
-
-def _check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, list]) -> None:
-    """Record on ``gdef`` which unique arrays are state. An array below a state cell that
-    also sits at a place outside every cell (itself, or below a node met in both contexts)
-    is a `StateClash` naming both places: state is never a parameter."""
-    cell_leaves, moved = cells
-    for q in cell_leaves:
-        r = memo.get(id(leaves[q]))  # the same array (alive in `leaves`) outside every cell
-        if r is not None:
-            paths = place_paths(gdef).leaves
-            raise StateClash(paths[r // 3][0], paths[q][0])
-    if moved:  # the traversal of every place decides (and raises on a clash)
-        gdef.state_leaves()
-        return
-    state = [False] * len(leaves)
-    for q in cell_leaves:
-        state[q] = True
-    gdef._plans["state leaves"] = tuple(state)
-
-
-def _cycle_error(kind: int) -> None:
-    name = _KIND_NAMES[kind]
-
-    def message(path: str) -> str:
-        return (
-            f"{path}: a reference cycle passes through an immutable node (a {name}), "
-            "which cannot be rebuilt since it must exist before its own child. Let the "
-            "cycle pass through a mutable container instead (a list, dict, or a "
-            "class given to tied.register)."
-        )
-
-    raise _WalkError(message)
 
 
 def ties(tree: Any) -> list[tuple[str, ...]]:

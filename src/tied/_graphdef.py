@@ -355,6 +355,25 @@ def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
     return tuple(bool(s and s[0]) for s in state)
 
 
+def check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, list]) -> None:
+    """Record on ``gdef`` which unique arrays are state. An array below a state cell that
+    also sits at a place outside every cell (itself, or below a node met in both contexts)
+    is a `StateClash` naming both places: state is never a parameter."""
+    cell_leaves, moved = cells
+    for q in cell_leaves:
+        r = memo.get(id(leaves[q]))  # the same array (alive in `leaves`) outside every cell
+        if r is not None:
+            paths = place_paths(gdef).leaves
+            raise StateClash(paths[r // 3][0], paths[q][0])
+    if moved:  # the traversal of every place decides (and raises on a clash)
+        gdef.state_leaves()
+        return
+    state = [False] * len(leaves)
+    for q in cell_leaves:
+        state[q] = True
+    gdef._plans["state leaves"] = tuple(state)
+
+
 def untracked(record: tuple) -> bool:
     """Whether a node record stands for one place only: a tuple of static values."""
     kind, _, refs = record

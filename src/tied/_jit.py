@@ -10,15 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ._grad import is_total, mark_total
-from ._graph import GraphDef, GraphError, StateClash, _unflatten, flatten, flatten_with, plan_cache
+from ._graph import GraphDef, GraphError, _unflatten, flatten, plan_cache
 from ._sharding import _describe_sharding, _same_layout, leaf_shardings
 from ._writeback import (
     arguments,
+    distinct_donations,
     donation,
+    flatten_arguments,
     is_donated,
     place_name,
     refuse_static_writes,
@@ -205,19 +206,14 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         args = list(dyn_args)
         for i, v in statics:
             args[i] = v
-        # A static argument is the caller's own object: what fun writes into it is refused.
-        named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
-        held = static_snapshot(named)
+        held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
         out = fun(*args, **dyn_kwargs, **dict(kw_static))
         out_leaves, out_gdef = flatten(out)
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
-        refuse_static_writes(held, place_name)
+        refuse_static_writes(held)
         # What fun wrote into its arguments: the same structure, new objects at some places.
-        try:
-            after_leaves, after = flatten(root)
-        except StateClash as e:
-            raise e.renamed(place_name) from None
+        after_leaves, after = flatten_arguments(root)
         if after != gdef:
             raise structure_error(gdef, after, "tied.jit: the function")
         written = [q for q, (a, b) in enumerate(zip(leaves, after_leaves)) if a is not b]
@@ -302,10 +298,7 @@ class Jitted:
                 args, kwargs = bound.args, bound.kwargs
         static_key, dyn_args, dyn_kwargs = _split(args, kwargs, self._static_nums, self._static_names)
         root = (dyn_args, dyn_kwargs)
-        try:
-            leaves, gdef = flatten_with(root, self._plans)
-        except StateClash as e:  # named as the arguments, as tied.grad names the model's places
-            raise e.renamed(place_name) from None
+        leaves, gdef = flatten_arguments(root, self._plans)
         key = (gdef, static_key)
         try:
             entry = self._compiled.get(key)
@@ -328,9 +321,7 @@ class Jitted:
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
         if entry.donated:
             donated, kept = [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
-            if entry.cells:
-                donated = _distinct(donated, kept)
-            return donated, kept
+            return (distinct_donations(donated, kept) if entry.cells else donated), kept
         return (), leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -392,20 +383,6 @@ class Jitted:
             body, donate_argnums=(0,) if entry.donated else (), **shardings, **self._jax_kwargs
         )
         return entry
-
-
-def _distinct(donated: list, kept: list) -> list:
-    """The donated inputs, each buffer given once: state cells given one array are two
-    unique arrays of one object, and XLA refuses a buffer donated twice or donated and
-    passed too, so a later one is a copy (the state it stands for is written back apart)."""
-    seen = {id(x) for x in kept}
-    out = []
-    for x in donated:
-        if id(x) in seen and isinstance(x, jax.Array):
-            x = jnp.copy(x)
-        seen.add(id(x))
-        out.append(x)
-    return out
 
 
 def _split(args: tuple, kwargs: dict, static_nums: frozenset, static_names: frozenset):

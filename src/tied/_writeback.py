@@ -13,8 +13,18 @@ import operator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from ._graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
+from ._graph import (
+    CHECK_PLANS,
+    GraphDef,
+    GraphError,
+    PlanMismatch,
+    StateClash,
+    flatten,
+    flatten_with,
+    place_paths,
+)
 from ._live import WritePlan, lock, slots, write, write_plan
 from ._plan import compile_flatten
 
@@ -293,12 +303,36 @@ def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: st
     return None
 
 
-def static_snapshot(statics: list[tuple[str, Any]]) -> list:
-    """What the static arguments of a call hold before it runs: ``(path, object, arrays,
-    GraphDef)`` for each that tied can walk and that holds arrays (``path`` is its place
-    in ``(args, kwargs)``)."""
+def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:
+    """`flatten` of a call's ``(args, kwargs)`` (with the plans of ``cache``), a `StateClash`
+    naming its places as the arguments (``args[0]['w']``), as `tied.grad` names the model's."""
+    try:
+        return flatten(root) if cache is None else flatten_with(root, cache)
+    except StateClash as e:
+        raise e.renamed(place_name) from None
+
+
+def distinct_donations(donated: list, kept: list) -> list:
+    """The donated inputs, each buffer given once: state cells given one array are two
+    unique arrays of one object, and XLA refuses a buffer donated twice or donated and
+    passed too, so a later one is a copy (the state it stands for is written back apart)."""
+    seen = {id(x) for x in kept}
     out = []
-    for path, v in statics:
+    for x in donated:
+        if id(x) in seen and isinstance(x, jax.Array):
+            x = jnp.copy(x)
+        seen.add(id(x))
+        out.append(x)
+    return out
+
+
+def static_snapshot(statics: tuple, kw_static: tuple) -> list:
+    """What the static arguments of a call (``(position, value)``, ``(name, value)``) hold
+    before it runs: ``(path, object, arrays, GraphDef)`` for each that tied can walk and
+    that holds arrays (``path`` is its place in ``(args, kwargs)``)."""
+    out = []
+    named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
+    for path, v in named:
         try:
             leaves, gdef = flatten(v)
         except GraphError:  # not a graph tied walks: nothing of it can be written back
@@ -308,12 +342,13 @@ def static_snapshot(statics: list[tuple[str, Any]]) -> list:
     return out
 
 
-def refuse_static_writes(held: list, name: Any) -> None:
+def refuse_static_writes(held: list, name: Any = None) -> None:
     """Refuse a function that wrote into a static argument (``held`` from `static_snapshot`),
     after putting back what it held where that can be done: a static argument is the
     caller's own object, and a compiled function's constant, so what the function put
     there would stay a traced value, and a later call (which does not trace) would not
     write it at all."""
+    name = name or place_name
     for path, v, leaves, gdef in held:
         now, now_gdef = flatten(v)
         if now_gdef == gdef:
