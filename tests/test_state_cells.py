@@ -440,3 +440,63 @@ def test_random_cells_written_under_jit_and_grad_as_eagerly_and_checkpointed(tmp
     restored = tied.load(path, like=build_random(recipe))
     assert_same_state(restored, ref)
     np.testing.assert_array_equal(restored.w, model.w)
+
+
+# ---- compiled plans (checked against the walk under TIED_CHECK_PLANS=1, as the suite sets)
+
+
+def test_repeated_jitted_writes_to_cells_given_one_array_match_eager():
+    eager, jitted = two_cells(jnp.int32), two_cells(jnp.int32)
+    f = tied.jit(bump_first)
+    for _ in range(5):  # flatten plan, write plan, then the fused write-back
+        bump_first(eager)
+        f(jitted)
+    assert [int(c.value) for c in jitted["cells"]] == [int(c.value) for c in eager["cells"]] == [5, 0]
+
+
+def layers(n, z):
+    return [{"w": jnp.full((2,), float(k)), "s": tied.State(z)} for k in range(n)]
+
+
+def test_plans_over_many_cells_given_one_array_follow_the_walk():
+    z = jnp.zeros(())
+    model = layers(300, z)  # over a thousand places: read in loops
+    for _ in range(3):
+        leaves, gdef = tied.flatten(model)
+        assert len(leaves) == 600 and tied.ties(model) == []
+    model[7]["s"] = model[6]["s"]  # one cell at two places now: a tie, which the plan must see
+    leaves, gdef = tied.flatten(model)
+    assert len(leaves) == 599
+    assert tied.ties(model) == [("[6]['s']", "[7]['s']")]
+    model[7]["s"] = tied.State(model[7]["w"])  # an array both below a cell and a parameter
+    with pytest.raises(tied.GraphError, match=r"\[7\]\['w'\] and \[7\]\['s'\]\.value: one array is both"):
+        tied.flatten(model)
+
+
+def test_jitted_writes_over_many_cells_given_one_array_match_eager():
+    def f(m):
+        for layer in m[::3]:
+            bump(layer["s"])
+
+    z = jnp.zeros(())
+    eager, jitted = layers(300, z), layers(300, z)
+    g = tied.jit(f)
+    for _ in range(3):
+        f(eager)
+        g(jitted)
+    for a, b in zip(jitted, eager):
+        assert float(a["s"].value) == float(b["s"].value)
+    assert float(jitted[0]["s"].value) == 3.0 and float(jitted[1]["s"].value) == 0.0
+
+
+def test_a_plan_of_two_cells_misses_when_one_cell_stands_at_both_places():
+    model = {"a": tied.State(jnp.zeros(2)), "b": tied.State(jnp.ones(2))}
+    for _ in range(3):  # a compiled plan from the second flatten on
+        assert len(tied.flatten(model)[0]) == 2
+    model["b"] = model["a"]
+    leaves, _ = tied.flatten(model)
+    assert len(leaves) == 1 and tied.ties(model) == [("['a']", "['b']")]
+    z = jnp.zeros(2)
+    model["b"] = tied.State(z)
+    model["a"] = tied.State(z)
+    assert len(tied.flatten(model)[0]) == 2 and tied.ties(model) == []
