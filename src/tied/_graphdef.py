@@ -291,7 +291,10 @@ class GraphDef:
     def state_leaves(self) -> tuple[bool, ...]:
         """For each unique array (in `flatten` order), whether it is *state*: it sits below
         a state cell (`tied.State`, a class given to `tied.register_state`, a Flax NNX
-        ``Variable`` that is not a ``Param``). State is never a parameter.
+        ``Variable`` that is not a ``Param``). State is never a parameter. State is shared
+        by cell, never by the array a cell holds: in a walk's GraphDef each place of an
+        array below a cell is a unique array of its own (two cells given one array are two
+        such arrays, which may be one object), never an array tie.
 
         Raises:
             GraphError: one array is both state (below a cell) and held at a place

@@ -115,7 +115,8 @@ class Kind:
         raise NotImplementedError
 
     def is_state(self, meta: Any) -> bool:
-        """Whether the node is a state cell (the arrays below it are state)."""
+        """Whether the node is a state cell (the arrays below it are state): the unit of
+        state sharing, read by the walk and by the write-back alike for every cell class."""
         return is_state_type(self.type_of(meta))
 
     # immutable kinds
