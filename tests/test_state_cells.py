@@ -241,6 +241,17 @@ def test_state_written_through_a_static_argument_is_refused_and_left_as_it_was()
     assert int(net.count.value) == 1
 
 
+def test_a_static_argument_given_a_new_attribute_is_refused():
+    net = Net()
+
+    def f(m, x):
+        m.cache = x * 2  # a traced value put into the caller's object
+        return x
+
+    with pytest.raises(tied.GraphError, match=r"args\[0\]\.cache: a place was added .*static_argnums"):
+        tied.jit(f, static_argnums=0)(net, jnp.ones(2))
+
+
 def test_a_static_argument_only_read_is_fine():
     net = Net()
     out = tied.jit(lambda m, x: x * m.w, static_argnums=0)(net, jnp.full(2, 3.0))

@@ -350,7 +350,10 @@ def refuse_static_writes(held: list, name: Any = None) -> None:
     write it at all."""
     name = name or place_name
     for path, v, leaves, gdef in held:
-        now, now_gdef = flatten(v)
+        try:
+            now, now_gdef = flatten(v)
+        except GraphError as e:  # made unwalkable: say where it was written, all the same
+            now, now_gdef = [], e
         if now_gdef == gdef:
             changed = [q for q, (a, b) in enumerate(zip(leaves, now)) if a is not b]
             if not changed:
@@ -364,7 +367,10 @@ def refuse_static_writes(held: list, name: Any = None) -> None:
             except GraphError:
                 undone = "it could not be put back: assign arrays to those places again"
         else:
-            where = first_difference(gdef, now_gdef, lambda p, at=path: name(at + p))
+            if isinstance(now_gdef, GraphError):
+                where = f"{name(path)}: the function changed this argument ({now_gdef})"
+            else:
+                where = first_difference(gdef, now_gdef, lambda p, at=path: name(at + p))
             undone = "that change could not be undone: build the argument again"
         raise GraphError(
             f"{where}, in an argument given as static (static_argnums / static_argnames); {undone}. "
