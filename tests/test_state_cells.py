@@ -511,3 +511,13 @@ def test_a_plan_of_two_cells_misses_when_one_cell_stands_at_both_places():
     model["b"] = tied.State(z)
     model["a"] = tied.State(z)
     assert len(tied.flatten(model)[0]) == 2 and tied.ties(model) == []
+
+
+def test_tying_two_cells_values_is_refused_tying_the_cells_is_one_state():
+    model = {"a": tied.State(jnp.zeros(2)), "b": tied.State(jnp.ones(2))}
+    with pytest.raises(tied.GraphError, match="state is shared by cell"):
+        tied.tie(model, "['a'].value", "['b'].value")
+    tied_model = tied.tie(model, "['a']", "['b']")
+    assert tied_model["a"] is tied_model["b"]
+    tied.jit(lambda m: bump(m["a"]))(tied_model)
+    np.testing.assert_array_equal(tied_model["b"].value, np.ones(2))  # zeros + 1, one state
