@@ -966,7 +966,9 @@ def test_a_layer_assigned_while_the_call_runs_does_not_receive_its_state():
         jax.debug.callback(swap, y)
         return y
 
-    with pytest.raises(tied.ModelChangedError, match=r"^args\[0\]\.b\.s\.value: tied\.jit: this place was changed"):
+    with pytest.raises(
+        tied.ModelChangedError, match=r"^args\[0\]\.b\.s\.value: tied\.jit: this place was changed"
+    ):
         tied.jit(f)(m, X)
     assert m.b is fresh and float(fresh.s.value) == 100.0  # the new layer never gets the old one's state
     np.testing.assert_array_equal(old_b.s.value, before)  # and nothing was half-written

@@ -1,6 +1,7 @@
 """Derived ties: tied.view / tied.transpose as places of the model."""
 
 import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,7 +200,10 @@ def test_a_view_function_failing_on_the_source_shape_names_the_path():
 def test_a_view_over_none_names_the_path():
     with pytest.raises(TypeError, match=r"tied.transpose: the source must be an array .* got NoneType"):
         tied.transpose(None)
-    model = {"dec": tied.View(None, sys.modules["tied._core.view"]._transpose), "w": jnp.ones(2)}  # built by hand
+    model = {
+        "dec": tied.View(None, sys.modules["tied._core.view"]._transpose),
+        "w": jnp.ones(2),
+    }  # built by hand
     with pytest.raises(tied.GraphError, match=r"\['dec'\]: .*transpose"):
         tied.grad(lambda m: m["w"].sum())(model)
 

@@ -5,7 +5,7 @@ and writing into live objects. See README.md beside this file.
 
 from .classify import register, register_state
 from .errors import Located, ModelChangedError
-from .graph import flatten, flatten_with, is_state, live_lock, plan_cache, rebuild, ties, unflatten
+from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
 from .kinds import KIND_BY_NAME, GraphError
 from .live import changed, check_written, restore, slots, write
@@ -14,7 +14,16 @@ from .read import read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
 from .view import View, fn_name, materialize, transpose, view
-from .writeback import escaping_tracer, first_difference, place_name, structure_error, write_back
+from .writeback import (
+    escaping_tracer,
+    first_difference,
+    flatten_arguments,
+    place_name,
+    refuse_static_writes,
+    static_snapshot,
+    structure_error,
+    write_back,
+)
 
 __all__ = [
     "GraphDef",
@@ -34,7 +43,7 @@ __all__ = [
     "expand",
     "first_difference",
     "flatten",
-    "flatten_with",
+    "flatten_arguments",
     "fn_name",
     "is_param",
     "is_state",
@@ -45,10 +54,12 @@ __all__ = [
     "plan_cache",
     "read_places",
     "rebuild",
+    "refuse_static_writes",
     "register",
     "register_state",
     "restore",
     "slots",
+    "static_snapshot",
     "structure_error",
     "ties",
     "trainable_mask",

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._compat import is_pytree_node
 from .kinds import (
+    _KIND_NAMES,
     _MISSING,
     DICT,
     DICTSUB,
@@ -348,6 +349,32 @@ def _unknown_static(x: Any) -> None:
     message = (
         f"an object of unregistered class {name} holds arrays, and tied would "
         f"drop them as a static leaf. Register the class so tied walks it: {fix}"
+    )
+
+    raise _WalkError(message)
+
+
+def _arrays_in_static_data(x: Any) -> None:
+    name = type(x).__qualname__
+
+    message = (
+        f"the static (auxiliary) data of this {name} holds arrays or a tied layer: "
+        "JAX and tied treat static data as a constant, so they would get no gradient, no "
+        "optimiser step, no place in a checkpoint, and be left behind by every rebuild. "
+        "Make it a regular field (for an Equinox module: drop eqx.field(static=True) from it)."
+    )
+
+    raise _WalkError(message)
+
+
+def _cycle_error(kind: int) -> None:
+    name = _KIND_NAMES[kind]
+
+    message = (
+        f"a reference cycle passes through an immutable node (a {name}), "
+        "which cannot be rebuilt since it must exist before its own child. Let the "
+        "cycle pass through a mutable container instead (a list, dict, or a "
+        "class given to tied.register)."
     )
 
     raise _WalkError(message)

@@ -33,7 +33,9 @@ from .classify import (
     _ARRAY,
     _STATIC,
     _UNKNOWN,
+    _arrays_in_static_data,
     _cache_lock,
+    _cycle_error,
     _has_arrays,
     _kind,
     _type_cache,
@@ -45,7 +47,9 @@ from .classify import (
 from .graphdef import (
     GraphDef,
     Place,
+    StateClash,
     ViewInfo,
+    check_state,
     expand,
     place_paths,
     post_order,
@@ -53,7 +57,7 @@ from .graphdef import (
     untracked,
     view_failed,
 )
-from .kinds import _KIND_NAMES, _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
+from .kinds import _MUTABLE, KIND_BY_NAME, KINDS, GraphError, Kind, _WalkError
 from .plans import (
     LARGE_PLAN_SIGHTINGS,
     MAX_PLAN_LINES,
@@ -79,7 +83,7 @@ __all__ = [
 ]
 # Re-exported for the modules above (they import these from `_graph`).
 _REEXPORTED = (KIND_BY_NAME, Kind, clear_caches, is_walkable_type)
-_REEXPORTED += (expand, place_paths, read_places, untracked)
+_REEXPORTED += (expand, place_paths, read_places, untracked, StateClash)
 
 
 # ---------------------------------------------------------------- flatten
@@ -278,6 +282,7 @@ def _maybe_plan(tree: Any, gdef: GraphDef, cache: PlanCache) -> GraphDef:
 
 _VALUE_KINDS = frozenset(kind.index for kind in KINDS if kind.value_when_static)
 _FRESH = frozenset(kind.index for kind in KINDS if kind.fresh_children)
+_MAY_BE_STATE = frozenset(kind.index for kind in KINDS if kind.may_be_state)
 
 
 def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> int:
@@ -293,33 +298,29 @@ def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> i
     return 3 * j + 1
 
 
-def _arrays_in_static_data(x: Any) -> None:
-    name = type(x).__qualname__
-
-    message = (
-        f"the static (auxiliary) data of this {name} holds arrays or a tied layer: "
-        "JAX and tied treat static data as a constant, so they would get no gradient, no "
-        "optimiser step, no place in a checkpoint, and be left behind by every rebuild. "
-        "Make it a regular field (for an Equinox module: drop eqx.field(static=True) from it)."
-    )
-
-    raise _WalkError(message)
-
-
 def _enter(
     leaves: list, records: list, statics: list, memo: dict, stack: list, open_immutable: set, post: list
 ):
-    """The walk's step into one object: ``enter(x)`` is the reference of ``x`` if it is
-    finished at once, else None (a frame was pushed on ``stack``)."""
+    """The walk's step into one object: ``(enter, cells)``; ``enter(x)`` is the reference of
+    ``x`` if it is finished at once, else None (a frame was pushed on ``stack``). ``cells``:
+    the arrays met below a state cell, and the nodes met below one and outside every one."""
     # Children made on the fly by a pytree's flatten are held here: once freed, their
     # ids could be reused by later objects and read as sharing through `memo`.
     alive: list = []
     kind_of = _kind
     get = memo.get
+    below_cell: list[bool] = []  # by node: whether it was entered below a state cell
+    cells: tuple[list, list] = ([], [])
+    cell_leaves, moved = cells
 
     def enter(x: Any) -> int | None:
         k = kind_of(x)
+        in_cell = stack[-1][6] if stack else False
         if k is _ARRAY:
+            if in_cell:  # state is shared by cell: an array below one is its own at each place
+                cell_leaves.append(len(leaves))
+                leaves.append(x)
+                return 3 * len(leaves) - 3
             r = get(id(x))
             if r is None:
                 r = 3 * len(leaves)
@@ -332,16 +333,20 @@ def _enter(
             statics.append(x)
             return 3 * len(statics) - 1
         if k in _VALUE_KINDS and all(kind_of(c) is _STATIC for c in x):
+            below_cell.append(in_cell)  # a record of its own (never met again: not in memo)
             return _value_record(k, x, records, statics, post)
         r = get(id(x))
         if r is not None:
             if r in open_immutable:
                 _cycle_error(k)
+            if below_cell[r // 3] != in_cell:
+                moved.append(r)  # checked once the walk is done (see _check_state)
             return r
         j = len(records)
         r = 3 * j + 1
         memo[id(x)] = r
         records.append(None)
+        below_cell.append(in_cell)
         children, meta = KINDS[k].children(x)
         if k in _FRESH:
             alive.append(children)
@@ -350,36 +355,45 @@ def _enter(
             _arrays_in_static_data(x)
         if k not in _MUTABLE:
             open_immutable.add(r)
-        stack.append([j, k, meta, children, 0, []])
+        cell = in_cell or (k in _MAY_BE_STATE and KINDS[k].is_state(meta))
+        stack.append([j, k, meta, children, 0, [], cell])
         return None
 
-    return enter
+    return enter, cells
 
 
 def _walk(tree: Any) -> tuple[list, GraphDef]:
-    """The plain walk, iterative (any depth): the one place where sharing is decided."""
+    """The plain walk, iterative (any depth): the one place where sharing is decided. State
+    is shared by cell, never by the array a cell holds: an array below a state cell is a
+    unique array of its own at each place (two cells given one array are two states)."""
     leaves: list = []
     records: list = []
     statics: list = []
     memo: dict[int, int] = {}
     get = memo.get
-    # A frame: [record index, kind, meta, children, next child, refs so far].
+    # A frame: [record index, kind, meta, children, next child, refs so far, below a cell].
     stack: list[list] = []
     open_immutable: set[int] = set()
     post: list[int] = []  # the nodes as they are completed: the order `unflatten` builds in
-    enter = _enter(leaves, records, statics, memo, stack, open_immutable, post)
+    enter, cells = _enter(leaves, records, statics, memo, stack, open_immutable, post)
+    cell_leaves = cells[0]
     type_cache = _type_cache
     try:
         result = enter(tree)
         while stack:
             frame = stack[-1]
-            children, i, refs = frame[3], frame[4], frame[5]
+            children, i, refs, in_cell = frame[3], frame[4], frame[5], frame[6]
             n = len(children)
             while i < n:  # arrays and statics of known types inline; the rest through enter
                 c = children[i]
                 i += 1
                 k = type_cache.get(type(c))
                 if k is _ARRAY:
+                    if in_cell:  # below a state cell: an array of its own at this place
+                        cell_leaves.append(len(leaves))
+                        refs.append(3 * len(leaves))
+                        leaves.append(c)
+                        continue
                     r = get(id(c))
                     if r is None:
                         r = 3 * len(leaves)
@@ -400,7 +414,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
             if stack[-1] is not frame:
                 continue
             stack.pop()
-            j, k, meta, _, _, refs = frame
+            j, k, meta, _, _, refs, _ = frame
             records[j] = (k, meta, tuple(refs))
             post.append(j)
             r = 3 * j + 1
@@ -414,24 +428,13 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
         path = "".join(KINDS[f[1]].key(f[2], f[4] - 1, len(f[3])) for f in stack)
         raise e.finish(path) from None
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
+    if cell_leaves or cells[1]:
+        check_state(gdef, leaves, memo, cells)
     if result % 3 == 1:  # the build order (see rebuild_order), known already
         order = gdef.memo.post = tuple(post)
         if CHECK_PLANS and order != post_order(gdef):
             raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
     return leaves, gdef
-
-
-def _cycle_error(kind: int) -> None:
-    name = _KIND_NAMES[kind]
-
-    message = (
-        f"a reference cycle passes through an immutable node (a {name}), "
-        "which cannot be rebuilt since it must exist before its own child. Let the "
-        "cycle pass through a mutable container instead (a list, dict, or a "
-        "class given to tied.register)."
-    )
-
-    raise _WalkError(message)
 
 
 def ties(tree: Any) -> list[tuple[str, ...]]:

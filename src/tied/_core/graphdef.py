@@ -28,7 +28,7 @@ from .strict import _strict
 _META_AS_IS = frozenset(k.index for k in KINDS if type(k).strict_meta is _as_is)
 _first = operator.itemgetter(0)
 
-__all__ = ["GraphDef", "Place", "ViewInfo", "expand", "place_paths", "rebuild_order"]
+__all__ = ["GraphDef", "Place", "StateClash", "ViewInfo", "expand", "place_paths", "rebuild_order"]
 
 
 class ViewInfo(NamedTuple):
@@ -329,7 +329,10 @@ class GraphDef:
     def state_leaves(self) -> tuple[bool, ...]:
         """For each unique array (in `flatten` order), whether it is *state*: it sits below
         a state cell (`tied.State`, a class given to `tied.register_state`, a Flax NNX
-        ``Variable`` that is not a ``Param``). State is never a parameter.
+        ``Variable`` that is not a ``Param``). State is never a parameter. State is shared
+        by cell, never by the array a cell holds: in a walk's GraphDef each place of an
+        array below a cell is a unique array of its own (two cells given one array are two
+        such arrays, which may be one object), never an array tie.
 
         Raises:
             GraphError: one array is both state (below a cell) and held at a place
@@ -346,6 +349,28 @@ class GraphDef:
         if out is None:
             out = self.memo.state_nodes = tuple(KINDS[kind].is_state(meta) for kind, meta, _ in self.records)
         return out
+
+
+class StateClash(GraphError):
+    """One array both below a state cell and at a parameter place: ``.path`` is the parameter
+    place, ``.state`` the state place, and the message names both (`named` writes them
+    another way: as a call's arguments, say)."""
+
+    def __init__(self, param: str, state: str, name: Callable[[str], str] = where):
+        self.state = state
+        super().__init__(
+            f"one array is both a parameter place and a state place (below a state cell at "
+            f"{name(state)}). State changes when the model runs and is never trained, so the two "
+            "cannot be one object: give the state its own array (e.g. jnp.array(x) copies it).",
+            param,
+            name=lambda p: f"{name(p)} and {name(state)}",
+        )
+
+    def named(self, name: Callable[[str], str]) -> StateClash:
+        return StateClash(self.path, self.state, name)
+
+    def __reduce__(self):
+        return (StateClash, (self.path, self.state))
 
 
 def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
@@ -366,14 +391,27 @@ def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
                 state[q] = (above, path)
             elif seen[0] != above:
                 s, p = (seen[1], path) if seen[0] else (path, seen[1])
-                raise GraphError(
-                    f"one array is both a parameter place (here) and a state place (at {where(s)}, "
-                    "below a state cell). State changes when "
-                    "the model runs and is never trained, so the two cannot be one object: give the "
-                    "state its own array (e.g. jnp.array(x) copies it).",
-                    p,
-                )
+                raise StateClash(p, s)
     return tuple(bool(s and s[0]) for s in state)
+
+
+def check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, list]) -> None:
+    """Record on ``gdef`` which unique arrays are state. An array below a state cell that
+    also sits at a place outside every cell (itself, or below a node met in both contexts)
+    is a `StateClash` naming both places: state is never a parameter."""
+    cell_leaves, moved = cells
+    for q in cell_leaves:
+        r = memo.get(id(leaves[q]))  # the same array (alive in `leaves`) outside every cell
+        if r is not None:
+            paths = place_paths(gdef).leaves
+            raise StateClash(paths[r // 3][0], paths[q][0])
+    if moved:  # the traversal of every place decides (and raises on a clash)
+        gdef.state_leaves()
+        return
+    state = [False] * len(leaves)
+    for q in cell_leaves:
+        state[q] = True
+    gdef.memo.state_leaves = tuple(state)
 
 
 def untracked(record: tuple) -> bool:

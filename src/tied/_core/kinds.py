@@ -96,6 +96,7 @@ class Kind:
     fields_in_dict = False  # children are exactly the ``__dict__`` values, in order
     counts_as_arrays = False  # an unwalkable holder of it holds arrays (a view's source)
     sequence_keys = False  # `jax_key` is `SequenceKey(i)` (its keystr made faster)
+    may_be_state = True  # False: `is_state` is False whatever the meta (the walk skips asking)
 
     def children(self, x: Any) -> tuple[list, Any]:
         raise NotImplementedError
@@ -116,7 +117,8 @@ class Kind:
         raise NotImplementedError
 
     def is_state(self, meta: Any) -> bool:
-        """Whether the node is a state cell (the arrays below it are state)."""
+        """Whether the node is a state cell (the arrays below it are state): the unit of
+        state sharing, read by the walk and by the write-back alike for every cell class."""
         return is_state_type(self.type_of(meta))
 
     # immutable kinds
@@ -163,6 +165,7 @@ def _as_is(self: Kind, meta: Any) -> Any:
 
 class _List(Kind):
     name, mutable, writable, sequence_keys = "list", True, True, True
+    may_be_state = False
 
     def children(self, x):
         return list(x), None
@@ -209,6 +212,7 @@ class _Dict(Kind):
     dict iterates as the model's did."""
 
     name, mutable, writable = "dict", True, True
+    may_be_state = False
 
     def children(self, x):
         keys = _dict_keys(x)
@@ -408,6 +412,7 @@ class _DictSubclass(Kind):
 
 class _Tuple(Kind):
     name, value_when_static, sequence_keys = "tuple", True, True
+    may_be_state = False
 
     def children(self, x):
         return list(x), len(x)
@@ -487,6 +492,7 @@ class _Pytree(Kind):
 
 class _View(Kind):
     name, writable = "view", True  # its source slot can be replaced in a live view
+    may_be_state = False
     materializes = counts_as_arrays = True
 
     def children(self, x):

@@ -36,9 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
-from .graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten, live_lock
+from .graph import KIND_BY_NAME, GraphDef, GraphError, Kind, flatten, live_lock, place_paths
 
 __all__ = [
     "live_lock",
@@ -128,6 +126,8 @@ def slots(
     # Each place names its container (`Place.parent`); a node's children are visited at
     # its first place only, in order, so a counter per open node gives each position.
     opened: dict[int, _Open] = {}
+    state = gdef.state_leaves()
+    shared: list = []  # the nodes of two or more places, found when a cell's value is written
     for place in gdef.walk_places():
         if place.parent < 0:
             obj, twin, node, pos = model, None, None, -1
@@ -148,10 +148,11 @@ def slots(
             if place.kind == "array" and place.index in wanted:
                 kind = node.kind
                 slot: Any = None
-                if not kind.can_write(node.meta) or (kind.name != "state" and _in_cell(node)):
+                in_value = state[place.index] and not kind.is_state(node.meta)
+                if not kind.can_write(node.meta) or in_value:
                     # Below a state cell's value: the cell gets a rebuilt value, so a container
                     # of the old value (a snapshot the caller kept) is never changed in place.
-                    slot = _cell_slot(place, node, opened)
+                    slot = _cell_slot(place, node, i, gdef, shared) if in_value else None
                     if slot is None:
                         raise _immutable_error(place.path, kind, node.obj, action)
                 elif not frozen_ok and _is_frozen_dataclass(node.obj):
@@ -174,50 +175,74 @@ def slots(
 
 
 class _CellSlot:
-    """A place inside an immutable value (a tuple) held by a state cell: written by putting a
-    rebuilt value into the cell (a cell's value is its own, never shared elsewhere)."""
+    """A place inside the containers of a state cell's field (a tuple, a dict, ...): written by
+    putting a rebuilt value into the cell's field (a cell's value is its own: a container of
+    the old value, a snapshot the caller kept, is never changed), as eager code that assigns
+    a new value to the cell leaves the old one as it was. Any state cell class alike."""
 
-    __slots__ = ("path", "_cell", "_keys")
+    __slots__ = ("path", "_kind", "_meta", "_cell", "_pos", "_steps")
 
-    def __init__(self, path: str, cell: Any, keys: tuple):
-        self.path, self._cell, self._keys = path, cell, keys
+    def __init__(self, path: str, cell: _Open, pos: int, steps: tuple):
+        self.path = path
+        self._kind, self._meta, self._cell, self._pos = cell.kind, cell.meta, cell.obj, pos
+        self._steps = steps  # (kind, position) from the field's value down to the array's container
+
+    def _field(self) -> Any:
+        return self._kind.children(self._cell)[0][self._pos]
 
     def __call__(self, value: Any) -> None:
-        d = self._cell.__dict__
-        d["value"] = jax.tree_util.tree_map_with_path(
-            lambda p, x: value if tuple(p) == self._keys else x, d["value"]
-        )
+        self._kind.setter(self._meta, self._cell, self._pos)(_rebuilt(self._field(), self._steps, value))
 
     def get(self, cache: dict | None = None) -> Any:
-        found = [
-            x
-            for p, x in jax.tree_util.tree_leaves_with_path(self._cell.__dict__["value"])
-            if tuple(p) == self._keys
-        ]
-        return found[0] if found else CHANGED
+        try:
+            x = self._field()
+            for kind, i in self._steps:
+                x = kind.children(x)[0][i]
+        except Exception:
+            return CHANGED
+        return x
 
 
-def _in_cell(node: Any) -> bool:
-    """Whether an open node lies inside a `tied.State`'s value."""
-    node = node.up
-    while node is not None:
-        if node.kind.name == "state":
-            return True
-        node = node.up
-    return False
+def _rebuilt(x: Any, steps: tuple, value: Any) -> Any:
+    """A copy of the containers along ``steps`` from ``x`` down, with ``value`` at the end."""
+    if not steps:
+        return value
+    (kind, i), rest = steps[0], steps[1:]
+    children, meta = kind.children(x)
+    children = list(children)
+    children[i] = _rebuilt(children[i], rest, value)
+    if not kind.mutable:
+        return kind.make(meta, children)
+    new = kind.shell(meta)
+    kind.fill(meta, new, children)
+    return new
 
 
-def _cell_slot(place: Any, node: _Open, opened: dict) -> _CellSlot | None:
-    """A `_CellSlot` for an array place whose container cannot be written, when a
-    `tied.State` above it holds the containers in between (immutable ones, and any list or
-    dict around them: the cell's value is rebuilt whole); else None."""
-    keys = [place.key]
-    while node is not None and node.kind.name != "state":
-        keys.append(node.place.key)
-        node = node.up
-    if node is None or node.kind.name != "state" or not keys or str(keys[-1]) != ".value":
-        return None
-    return _CellSlot(place.path, node.obj, tuple(reversed(keys[:-1])))
+def _cell_slot(place: Any, node: _Open, i: int, gdef: GraphDef, shared: list) -> _CellSlot:
+    """The `_CellSlot` of an array place below a state cell: child ``i`` of ``node``, a
+    container of the cell's value. A container on the way that is held at another place
+    too is refused: a rebuilt value would cut that tie."""
+    way = [node]  # the containers, from the array's up to the cell's field
+    while not way[-1].up.kind.is_state(way[-1].up.meta):
+        way.append(way[-1].up)
+    cell = way[-1].up
+    if not cell.kind.can_write(cell.meta):
+        return None  # the cell's own field cannot be set: refused as any such place
+    if not shared:
+        shared.append({j for j, paths in enumerate(place_paths(gdef).nodes) if len(paths) > 1})
+    for inner in way:
+        if inner.place.index in shared[0]:
+            raise GraphError(
+                f"{inner.place.path or '<root>'}: this container inside the state cell at "
+                f"{cell.place.path or '<root>'} is also held at another place "
+                f"({place_paths(gdef).nodes[inner.place.index][1] or '<root>'}); a state cell's "
+                "value is rebuilt when it is written, which would cut that tie. Nothing was "
+                "written. Give each cell a value of its own (state is shared by cell: share the "
+                "cell itself)."
+            )
+    positions = [i] + [n.pos for n in way[:-1]]
+    steps = tuple((n.kind, p) for n, p in zip(way, positions))
+    return _CellSlot(place.path, cell, way[-1].pos, tuple(reversed(steps)))
 
 
 class _Open:

@@ -16,7 +16,16 @@ from typing import Any
 import jax
 
 from .errors import ModelChangedError, where
-from .graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
+from .graph import (
+    CHECK_PLANS,
+    GraphDef,
+    GraphError,
+    PlanMismatch,
+    StateClash,
+    flatten,
+    flatten_with,
+    place_paths,
+)
 from .live import WritePlan, live_lock, slots, write, write_plan
 from .plans import compile_flatten
 
@@ -228,3 +237,70 @@ def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: st
                 gdef.leaf_paths()[q][0],
             )
     return None
+
+
+def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:
+    """`flatten` of a call's ``(args, kwargs)`` (with the plans of ``cache``), a `StateClash`
+    naming its places as the arguments (``args[0]['w']``), as `tied.grad` names the model's."""
+    try:
+        return flatten(root) if cache is None else flatten_with(root, cache)
+    except StateClash as e:
+        raise e.named(place_name) from None
+
+
+def static_snapshot(statics: tuple, kw_static: tuple) -> list:
+    """What the static arguments of a call (``(position, value)``, ``(name, value)``) hold
+    before it runs: ``(path, object, arrays, GraphDef)`` for each that tied can walk and
+    that holds arrays (``path`` is its place in ``(args, kwargs)``)."""
+    out = []
+    named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
+    for path, v in named:
+        try:
+            leaves, gdef = flatten(v)
+        except GraphError:  # not a graph tied walks: nothing of it can be written back
+            continue
+        if leaves:
+            out.append((path, v, leaves, gdef))
+    return out
+
+
+def refuse_static_writes(held: list, name: Any = None) -> None:
+    """Refuse a function that wrote into a static argument (``held`` from `static_snapshot`),
+    after putting back what it held where that can be done: a static argument is the
+    caller's own object, and a compiled function's constant, so what the function put
+    there would stay a traced value, and a later call (which does not trace) would not
+    write it at all."""
+    name = name or place_name
+    for path, v, leaves, gdef in held:
+        try:
+            now, now_gdef = flatten(v)
+        except GraphError as e:  # made unwalkable: say where it was written, all the same
+            now, now_gdef = [], e
+        if now_gdef == gdef:
+            changed = [q for q, (a, b) in enumerate(zip(leaves, now)) if a is not b]
+            if not changed:
+                continue
+            at_path, how = path + gdef.leaf_paths()[changed[0]][0], "the function wrote a new value here"
+            try:
+                with live_lock:
+                    at = slots(v, gdef, changed, action="tied.jit", frozen_ok=True)
+                    write(at, [leaves[q] for q in changed])
+                undone = "it was put back as it was"
+            except GraphError:
+                undone = "it could not be put back: assign arrays to those places again"
+        else:
+            if isinstance(now_gdef, GraphError):
+                at_path, how = path, f"the function changed this argument ({now_gdef})"
+            else:
+                inner, how = first_difference(gdef, now_gdef)
+                at_path = path + inner
+            undone = "that change could not be undone: build the argument again"
+        raise GraphError(
+            f"{how}, in an argument given as static (static_argnums / static_argnames); {undone}. "
+            "A static argument is a constant of the compiled function: a value written into it "
+            "would stay a traced value in your object, and a later call (which does not trace "
+            "again) would write nothing. Pass the argument as a traced one (leave it out of "
+            "static_argnums), so that tied.jit writes its new values back after each call.",
+            at_path,
+            name=name,
+        )

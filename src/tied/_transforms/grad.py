@@ -233,12 +233,19 @@ def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leave
             "outside the loss, or write new values only into existing places (a tied.State's .value).",
             path,
         )
-    index = {id(x): i for i, x in enumerate(full)}
+    # One object may stand at several inputs: cells given one array are two states, each its
+    # own unique array, met in the same order in ``full`` and in the walk of the copy.
+    index: dict[int, list[int]] = {}
+    for i, x in enumerate(full):
+        index.setdefault(id(x), []).append(i)
+    met: dict[int, int] = {}
     out = []
     for b, a in zip(before_leaves, after_leaves):
+        n = met[id(b)] = met.get(id(b), -1) + 1
         if a is b:
             continue
-        i = index.get(id(b))
+        at = index.get(id(b), ())
+        i = at[min(n, len(at) - 1)] if at else None
         if i is None or full[i] is not b:
             raise GraphError(
                 "tied.grad: the loss wrote a new value at a view's place; a view is a function of "

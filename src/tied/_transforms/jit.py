@@ -9,16 +9,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._core import (
     GraphDef,
     GraphError,
     flatten,
-    flatten_with,
+    flatten_arguments,
     place_name,
     plan_cache,
     rebuild,
+    refuse_static_writes,
+    static_snapshot,
     structure_error,
     write_back,
 )
@@ -170,7 +173,7 @@ class _Compiled:
     """What one input structure compiles to: the jitted function, which unique leaves are
     donated, and (learnt when it is traced) which input leaves it writes back."""
 
-    __slots__ = ("fn", "donated", "kept", "in_specs")
+    __slots__ = ("fn", "donated", "kept", "in_specs", "cells")
 
 
 class _Written:
@@ -233,6 +236,20 @@ def donation(gdef: GraphDef, n_args: int, kw_order: tuple, nums: frozenset, name
     return donated, tuple(q for q in range(gdef.num_leaves) if q not in gone)
 
 
+def distinct_donations(donated: list, kept: list) -> list:
+    """The donated inputs, each buffer given once: state cells given one array are two
+    unique arrays of one object, and XLA refuses a buffer donated twice or donated and
+    passed too, so a later one is a copy (the state it stands for is written back apart)."""
+    seen = {id(x) for x in kept}
+    out = []
+    for x in donated:
+        if id(x) in seen and isinstance(x, jax.Array):
+            x = jnp.copy(x)
+        seen.add(id(x))
+        out.append(x)
+    return out
+
+
 def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
     """Whether ``out`` holds a graph with the structure of ``arg`` (the root or a node one or
     two levels down): a donated argument's updated copy, which the caller rebinds."""
@@ -274,12 +291,14 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         args = list(dyn_args)
         for i, v in statics:
             args[i] = v
+        held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
         out = fun(*args, **dyn_kwargs, **dict(kw_static))
         out_leaves, out_gdef = flatten(out)
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
+        refuse_static_writes(held)
         # What fun wrote into its arguments: the same structure, new objects at some places.
-        after_leaves, after = flatten(root)
+        after_leaves, after = flatten_arguments(root)
         if after != gdef:
             raise structure_error(gdef, after, "tied.jit: the function")
         written = [q for q, (a, b) in enumerate(zip(leaves, after_leaves)) if a is not b]
@@ -364,7 +383,7 @@ class Jitted:
                 args, kwargs = bound.args, bound.kwargs
         static_key, dyn_args, dyn_kwargs = _split(args, kwargs, self._static_nums, self._static_names)
         root = (dyn_args, dyn_kwargs)
-        leaves, gdef = flatten_with(root, self._plans)
+        leaves, gdef = flatten_arguments(root, self._plans)
         key = (gdef, static_key)
         try:
             entry = self._compiled.get(key)
@@ -386,7 +405,8 @@ class Jitted:
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
         if entry.donated:
-            return [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
+            donated, kept = [leaves[q] for q in entry.donated], [leaves[q] for q in entry.kept]
+            return (distinct_donations(donated, kept) if entry.cells else donated), kept
         return (), leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -420,6 +440,7 @@ class Jitted:
     def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple) -> _Compiled:
         entry = _Compiled()
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
+        entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
         statics, kw_static = key[1]
         entry.in_specs = None
         shardings = {}

@@ -298,8 +298,15 @@ def tie(tree: Any, *paths: str) -> Any:
     leaves, gdef = flatten(tree)
     places = Places(gdef)
     paths = tuple(places.resolve(p, who="tied.tie") for p in paths)
+    state = gdef.state_leaves()
     for p in paths:
         _refuse_static(places, p, "tied.tie", "so it cannot be tied")
+        if places.kind[p] == "array" and state[places.leaf_of[p]]:
+            raise GraphError(
+                f"tied.tie: {_show(p)} is an array below a state cell, and state is shared by cell, "
+                "never by the array a cell holds (two cells holding one array are two states). "
+                "Tie the cells themselves: give the places of the cells (without '.value')."
+            )
     steps = [places.steps[p] for p in paths]
     for a in range(len(steps)):
         for b in range(len(steps)):

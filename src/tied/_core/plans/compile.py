@@ -172,6 +172,7 @@ def compile_flatten(
     ns["is_"], ns["is_not"] = operator.is_, operator.is_not
     ns["FOL"] = _registry.flatten_one_level
     ns["chain"] = itertools.chain
+    ns["compress"] = itertools.compress
     ns["STR"] = frozenset((str,))
     lines = ["def plan(root):"]
     emit = lines.append
@@ -197,7 +198,10 @@ def compile_flatten(
     # would be that array, which the GraphDef puts there for no other record, so the arrays'
     # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
     places = collections.Counter(r for _, _, rs in records for r in rs if r % 3 == 0)
-    own = frozenset(r for r, c in places.items() if c == 1)
+    # An array below a state cell may be the very object of another such place (two cells
+    # given one array are two states): it tells no node apart, and is not checked distinct.
+    state = gdef.state_leaves()
+    own = frozenset(r for r, c in places.items() if c == 1 and not state[r // 3])
     looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
     element_slices: list[str] = []
     skip = 0
@@ -365,7 +369,15 @@ def compile_flatten(
     emit(f" out = [{', '.join(_segments(gdef.num_leaves, starts, ends, holders))}]")
     if writes is None:
         emit(" if not AT.issuperset(map(type, out)): raise M")
-        emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
+        if any(state):  # the others distinct, and none of them below a cell too
+            n_params = state.count(False)
+            outside = const(bytes(not s for s in state), "OUT")
+            inside = const(bytes(state), "IN")
+            emit(f" ids = set(map(id, compress(out, {outside})))")
+            emit(f" if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
+            emit("  raise M")
+        else:
+            emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
     else:  # the very arrays the call was given (distinct, of array types): nothing else
         emit(" if any(map(is_not, out, INP)): raise M")
     # Distinct nodes stay distinct. Types are checked above, so objects of the two

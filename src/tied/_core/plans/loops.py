@@ -209,7 +209,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
     records, strict_records, strict_statics = gdef.records, key[2], key[3]
     inside = outside_places = 0
     # Which of its own arrays have no other place in the whole graph (see flatten_loop).
-    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    unique = _unique(gdef, ext, lo, hi)
     sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
     for jj in range(j, ne):
         kind, _, refs = records[jj]
@@ -260,7 +260,7 @@ def _find(gdef: GraphDef) -> tuple[Layout, list | None]:
                 members.append(i)
                 continue
             if len(members) >= LOOP_MIN:
-                found.append(_run(ext, q, members, refs))
+                found.append(_run(gdef, ext, q, members, refs))
             members, prev = ([i], sig) if sig is not None else ([], None)
         if found:
             runs[q] = tuple(found)
@@ -295,11 +295,18 @@ def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
     return out
 
 
-def _run(ext: _Extents, parent: int, members: list[int], refs: tuple) -> Run:
+def _unique(gdef: GraphDef, ext: _Extents, lo: int, hi: int) -> tuple[bool, ...]:
+    """For arrays ``lo`` to ``hi``: whether each has no other place in the graph and is no
+    state (an array below a state cell may be the very object of another such place)."""
+    state = gdef.state_leaves()
+    return tuple(ext.leaf_places[q] == 1 and not state[q] for q in range(lo, hi))
+
+
+def _run(gdef: GraphDef, ext: _Extents, parent: int, members: list[int], refs: tuple) -> Run:
     j = refs[members[0]] // 3
     p0, lo, slo = ext.start[j]
     p1, ne, hi, shi = ext.end[j]
-    unique = tuple(ext.leaf_places[q] == 1 for q in range(lo, hi))
+    unique = _unique(gdef, ext, lo, hi)
     return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
 
 
