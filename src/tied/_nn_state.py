@@ -366,6 +366,12 @@ class KVCache:
     one set of weights but sees two different sequences of keys, so it gets two
     caches. A new cache (or one with ``position`` set back to 0) starts a new sequence.
 
+    A write past ``max_len`` is an error, never a wrong answer: eagerly a
+    ``ValueError``; under `tied.jit` (the position traced) the check runs inside the
+    compiled program, as a callback that raises when the cache would overflow (in the
+    style of Equinox's ``eqx.error_if``), so the call fails with JAX's runtime error
+    carrying the same message, and the caller's cache is left as it was.
+
     Args:
         max_len: the most positions the cache holds.
         num_heads: attention heads.
@@ -416,16 +422,29 @@ class KVCache:
         return f"KVCache({list(getattr(self.keys.value, 'shape', ['?']))})"
 
 
+def _overflow(bad: Any, pos: Any, seq: int, max_len: int) -> None:
+    """Raise when ``seq`` more positions after ``pos`` do not fit in the cache (batched under vmap)."""
+    if np.any(bad):
+        first = int(np.max(np.asarray(pos)))
+        raise ValueError(
+            f"KVCache: {first} positions are written and {seq} more do not fit in max_len="
+            f"{max_len}. Make a larger cache, or a new one to start a new sequence."
+        )
+
+
 def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
     """Write ``k``, ``v`` (``(*lead, seq, heads, hd)``) at the cache's position and attend
     ``q`` to every cached position up to its own; advances ``position`` by ``seq``."""
     *lead, seq, heads, hd = q.shape
     pos = cache.position.value
-    if not isinstance(pos, jax.core.Tracer) and int(pos) + seq > cache.max_len:
-        raise ValueError(
-            f"KVCache: {int(pos)} positions are written and {seq} more do not fit in max_len="
-            f"{cache.max_len}. Make a larger cache, or a new one to start a new sequence."
-        )
+    if not isinstance(pos, jax.core.Tracer):
+        _overflow(int(pos) + seq > cache.max_len, pos, seq, cache.max_len)
+    else:
+        # Traced (under tied.jit, jax.jit, scan): the position is known only when the program runs,
+        # where a write past the end would be clamped onto the last rows, a wrong answer that
+        # raises nothing. So the check runs then, as a callback that raises (Equinox's error_if
+        # does the same with its own machinery): the call fails, and nothing is written back.
+        jax.debug.callback(_overflow, pos + seq > cache.max_len, pos, seq, cache.max_len)
     if tuple(cache.keys.value.shape[1:]) != (*lead, heads, hd):
         raise ValueError(
             f"KVCache: the cache holds keys of shape {tuple(cache.keys.value.shape)} = (max_len, "
