@@ -374,9 +374,15 @@ class CheckpointManager:
             return True
 
     def _latest_now(self) -> int | None:
-        """The latest step: the directory's latest complete step or this manager's last save."""
-        steps = self.all_steps()
-        on_disk = steps[-1] if steps else None
+        """The latest step saved: the directory's latest finalised step or this manager's last save.
+        Read from the top down: a listing, and Orbax's check of one or two names."""
+        ocp = _orbax._ocp()
+        on_disk = None
+        for step in sorted((int(n) for n in os.listdir(self.directory) if n.isdigit()), reverse=True):
+            full = os.path.join(self.directory, str(step))
+            if os.path.isdir(os.path.join(full, _orbax._MANIFEST)) and ocp.step.is_path_finalized(full):
+                on_disk = step
+                break
         return max((s for s in (on_disk, self._last) if s is not None), default=None)
 
     def _check_step(self, step: int, latest: int | None) -> None:

@@ -38,6 +38,7 @@ from . import _orbax
 
 DELETING = ".tied-deleting"  # Orbax's `todelete_subdir`: old steps are renamed here, then removed
 _MARK = ".tied-saving-"
+_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step being written (atomicity_types.TMP_DIR_SUFFIX)
 LIVE: set[str] = set()  # tokens of this process's managers that are open
 
 
@@ -106,7 +107,11 @@ def scan(root: str) -> tuple[dict[int, list[dict]], list[tuple[str, int]], list[
             except (OSError, ValueError, TypeError, KeyError):
                 continue  # removed meanwhile (its save completed), or not ours
             owners.setdefault(step, []).append((name, owner))
-        elif (s := _step_of(name)) is not None and ocp.step.is_path_temporary(os.path.join(root, name)):
+        elif (
+            (s := _step_of(name)) is not None
+            and _TMP in name  # Orbax's own check costs an event loop; most names are steps
+            and ocp.step.is_path_temporary(os.path.join(root, name))
+        ):
             tmps.append((name, s))
     live = {s: [o for _, o in found if not _gone(o)] for s, found in owners.items()}
     stale = [name for found in owners.values() for name, o in found if _gone(o)]
