@@ -197,3 +197,35 @@ def test_mode_sets_equinox_inference_as_inference_mode_does():
         np.asarray(jax.vmap(lambda x: back(x, key=key))(X)),
         np.asarray(jax.vmap(lambda x: own(x, key=key))(X)),
     )
+
+
+class Counter(eqx.Module):
+    """A layer that calls ``state.set`` itself (not under vmap): Equinox then invalidates the old State."""
+
+    index: eqx.nn.StateIndex
+    lin: eqx.nn.Linear
+
+    def __init__(self):
+        self.index = eqx.nn.StateIndex(jnp.zeros(()))
+        self.lin = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+
+    def __call__(self, x, state):
+        c = state.get(self.index)
+        return self.lin(x) * c, state.set(self.index, c + 1)
+
+
+def test_equinox_state_set_under_tied_jit_is_refused_clearly_or_works_on_a_clone():
+    """Equinox's State.set invalidates the State it was called on. Given as an argument to tied.jit, that
+    is a change of the argument's structure: refused, naming the place, the caller's state still valid.
+    Cloned first (Equinox's own advice), the step runs and counts as Equinox does eagerly."""
+    model, state = eqx.nn.make_with_state(Counter)()
+    x = jnp.ones(2)
+    with pytest.raises(tied.GraphError, match=r"args\[1\]\._state: a dict became"):
+        tied.jit(lambda m, s: m(x, s))(model, state)
+    assert float(state.get(model.index)) == 0.0  # untouched, still usable
+    step = tied.jit(lambda m, s: m(x, jax.tree_util.tree_map(lambda a: a, s)))
+    _, eager = model(x, jax.tree_util.tree_map(lambda a: a, state))
+    out, s1 = step(model, state)
+    out, s2 = step(model, s1)
+    assert float(s2.get(model.index)) == 2.0 and float(eager.get(model.index)) == 1.0
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model.lin(x)), rtol=1e-6)
