@@ -328,3 +328,33 @@ def test_a_crash_in_the_middle_of_deleting_an_old_step_never_leaves_it_listed(tm
     with tied.CheckpointManager(d, async_save=False, max_to_keep=1) as m:
         m.save(3, {"w": jnp.full(3, 3.0)})
     assert sorted(os.listdir(d)) == ["3"]
+
+
+def test_restoring_the_latest_step_while_a_writer_deletes_it_reads_the_new_latest(tmp_path, monkeypatch):
+    """A reader starts reading step 2; before it reads a byte, the writer saves step 3 and (max_to_keep=1)
+    deletes step 2. The read of step 2 fails (its files were renamed away), and restore() reads step 3,
+    whole; an explicit restore of step 2 says it is not a complete step."""
+    from tied import _orbax
+
+    d = tmp_path / "c"
+    writer = tied.CheckpointManager(d, max_to_keep=1, async_save=False)
+    writer.save(2, {"w": jnp.full(3, 2.0)})
+    reader = tied.CheckpointManager(d)
+    real, calls = _orbax.load, []
+
+    def load_after_the_writer_moved_on(path, like, **kw):
+        calls.append(os.path.basename(path))
+        if len(calls) == 1:
+            writer.save(3, {"w": jnp.full(3, 3.0)})
+        return real(path, like, **kw)
+
+    monkeypatch.setattr(_orbax, "load", load_after_the_writer_moved_on)
+    back = reader.restore({"w": jnp.zeros(3)})
+    assert calls == ["2", "3"] and np.array_equal(np.asarray(back["w"]), np.full(3, 3.0, np.float32))
+    with pytest.raises(
+        tied.CheckpointError, match=r"step 2 is not a complete step of .*\(complete steps: 3\)"
+    ):
+        reader.restore({"w": jnp.zeros(3)}, 2)
+    reader.close()
+    writer.close()
+    assert sorted(os.listdir(d)) == ["3"]
