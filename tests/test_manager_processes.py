@@ -111,8 +111,17 @@ def test_a_writer_and_a_reader_process_on_one_directory_for_30_steps(tmp_path):
     step 30; afterwards the directory holds exactly the steps to keep, each complete, and nothing else."""
     d = tmp_path / "run"
     d.mkdir()
+    ready = str(tmp_path / "reader-ready")
     reader = _start(
-        "reader", str(d), "--steps", "30", "--out", str(tmp_path / "seen.json"), log=tmp_path / "r.txt"
+        "reader",
+        str(d),
+        "--steps",
+        "30",
+        "--out",
+        str(tmp_path / "seen.json"),
+        "--ready",
+        ready,
+        log=tmp_path / "r.txt",
     )
     writer = _start(
         "writer",
@@ -125,6 +134,8 @@ def test_a_writer_and_a_reader_process_on_one_directory_for_30_steps(tmp_path):
         "3",
         "--pause",
         "0.05",
+        "--start-after",
+        ready,
         log=tmp_path / "w.txt",
     )
     code_w, code_r = _wait(writer), _wait(reader)

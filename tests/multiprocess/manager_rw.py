@@ -40,6 +40,10 @@ def tree(step: int) -> dict:
 
 def writer(args: argparse.Namespace) -> None:
     keep = None if args.max_to_keep == 0 else args.max_to_keep
+    deadline = time.monotonic() + args.deadline
+    while args.start_after and not os.path.exists(args.start_after):  # the reader is reading
+        assert time.monotonic() < deadline, "the reader never started"
+        time.sleep(0.05)
     mngr = tied.CheckpointManager(args.dir, max_to_keep=keep, keep_every=args.keep_every)
     for step in range(1, args.steps + 1):
         t = tree(step)
@@ -57,6 +61,8 @@ def reader(args: argparse.Namespace) -> None:
         with tied.CheckpointManager(args.dir) as mngr:
             steps = mngr.all_steps()
             listed.append(steps)
+            if args.ready and not os.path.exists(args.ready):
+                open(args.ready, "w").close()
             latest = mngr.latest_step()
             if latest is not None:
                 back = mngr.restore(like)
@@ -87,6 +93,8 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=0.0)
     p.add_argument("--deadline", type=float, default=60.0)
     p.add_argument("--out", default=None)
+    p.add_argument("--ready", default=None)  # reader: a file made once it has opened the directory
+    p.add_argument("--start-after", default=None)  # writer: wait for that file
     args = p.parse_args()
     (writer if args.role == "writer" else reader)(args)
 
