@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
+import tracemalloc
 import zlib
 from typing import NamedTuple
 
@@ -1340,10 +1340,8 @@ def test_a_deep_chain_saves_and_loads(tmp_path):
     n = 3500
     f = str(tmp_path / "deep.safetensors")
     model = _deep(n)
-    t0 = time.perf_counter()
     tied.save(f, model)
     back = tied.load(f, like=_deep(n, offset=0.5))
-    took = time.perf_counter() - t0
     with open(f, "rb") as fh:
         header = int.from_bytes(fh.read(8), "little")
     assert header < 4_000_000, header  # linear in the places (names elided), not quadratic (~150 MB)
@@ -1352,7 +1350,6 @@ def test_a_deep_chain_saves_and_loads(tmp_path):
         assert _bits(a["w"]) == _bits(b["w"])
         a, b = a["next"], b["next"]
     assert _bits(a["w"]) == _bits(b["w"]) and "next" not in b
-    assert took < 60, took
     # The safetensors library reads the file too.
     with safetensors.safe_open(f, framework="np") as sf:
         assert len(list(sf.keys())) == n
@@ -1372,10 +1369,15 @@ def test_a_place_table_that_unfolds_into_too_much_is_refused_before_it_is_unfold
     """5,000 places of 100 characters, each below the last: 1.25e9 characters of paths."""
     table = [[-1, ""]] + [[t, "x" * 100] for t in range(5000)]
     doc = {"format": "tied", "version": 3, "place_table": table, "arrays": [], "shared_at": [], "views": []}
-    t0 = time.perf_counter()
-    with pytest.raises(tied.CheckpointError, match=r"its places unfold into 1,250,250,000 characters"):
-        tied._checkpoint.document.validate(doc, "hostile")
-    assert time.perf_counter() - t0 < 5
+    # Counted in bytes, not timed: refused before a single path is built (unfolded, 1.25 GB).
+    tracemalloc.start()
+    try:
+        with pytest.raises(tied.CheckpointError, match=r"its places unfold into 1,250,250,000 characters"):
+            tied._checkpoint.document.validate(doc, "hostile")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5_000_000, peak
 
 
 # ---------------------------------------------------------------- issue 17.11: keys that print alike

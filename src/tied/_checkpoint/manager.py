@@ -13,8 +13,27 @@ Layout::
 
     directory/
       20/  25/                        # complete steps: arrays/, tied/metadata, commit marker
-      30.orbax-checkpoint-tmp-.../    # a save in flight (or killed): never listed, removed on open
+      30.orbax-checkpoint-tmp/        # a save in flight (or killed): never listed
+      .tied-saving-30-<token>         # its writer's marker (host, process id): see `_stepdir`
+      .tied-deleting/15/              # an old step being deleted: renamed out of the listing first
       notes.txt  logs/                # anything else: ignored, never deleted
+
+Several managers may open one directory: a writer and any number of readers
+(an evaluator listing and restoring the latest step). A manager that only reads
+changes nothing in the directory; one that saves removes, before its first
+save, only what is provably abandoned (`_stepdir`). Each save checks the step
+against the directory as it is then, not as it was when the manager opened.
+
+Pending saves at exit. A script that ends normally (its main thread returns, or
+`sys.exit`) with a save in flight and no `wait` or `close` gets it finished
+before the interpreter tears down the thread pools Orbax writes with; if that
+save fails, the error is printed and the process exits with status 1, never 0.
+(Orbax 0.12.8's own manager does not: its background thread then fails with
+"cannot schedule new futures after interpreter shutdown", and its ``__del__``
+only warns to call ``wait_until_finished`` before the program ends; the hook
+runs where Python's own executors stop, before non-daemon threads are joined.)
+A killed process (SIGKILL, ``os._exit``) leaves its save
+unfinished: never listed, and removed by the next manager that saves.
 
 Why the values are copied before `save` returns. An asynchronous save writes
 after `save` has returned, while training goes on; the caller may donate the
@@ -41,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import orbax_format
+from . import orbax_format, stepdir
 from .document import CheckpointError
 
 __all__ = ["CheckpointManager"]
@@ -140,7 +159,7 @@ class CheckpointManager:
         _check_count("max_to_keep", max_to_keep, none=True)
         _check_count("keep_every", keep_every, none=True)
         _check_count("save_interval_steps", save_interval_steps, none=False)
-        ocp = orbax_format._ocp()
+        orbax_format._ocp()  # orbax-checkpoint imported now, not in the middle of the first save
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(
@@ -154,10 +173,27 @@ class CheckpointManager:
             )
         self._interval = int(save_interval_steps)
         self._async = bool(async_save)
-        self._last: int | None = None  # the latest step: on disk at opening, or saved since (maybe in flight)
+        self._keep = (max_to_keep, keep_every)
+        self._last: int | None = None  # the latest step: on disk at the last check, or saved since
         self._staging: dict[str, np.ndarray] = {}  # host buffers, reused from save to save
         self._lock = threading.RLock()  # one save, wait or restore at a time from this object
         self._closed = False
+        # Orbax's manager is made at the first save: a manager that only reads never makes one, so it
+        # never touches the directory (Orbax's would clean temporary directories, a writer's too).
+        self._orbax: Any = None
+        self._token = stepdir.new_token()
+        self._marked: list[int] = []  # steps whose marker this manager left and has not removed
+        os.makedirs(self.directory, exist_ok=True)
+        # Steps only go up: the latest complete step at opening; each due save checks the directory again.
+        self._last = self.latest_step()
+
+    def _writer(self) -> Any:
+        """Orbax's manager, made at the first save after removing what is provably abandoned."""
+        if self._orbax is not None:
+            return self._orbax
+        ocp = orbax_format._ocp()
+        if stepdir.primary():
+            stepdir.clean(self.directory)
         arrays = ocp.PyTreeCheckpointHandler(
             # No zstd: trained weights hardly compress, and compressing takes the CPU time that a
             # training step running beside a background save needs.
@@ -175,15 +211,32 @@ class CheckpointManager:
         registry.add(orbax_format._MANIFEST, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         registry.add(orbax_format._MANIFEST, ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=_Keep(self.directory, max_to_keep, keep_every),
+            preservation_policy=_Keep(self.directory, *self._keep),
             enable_async_checkpointing=self._async,
             create=True,
-            cleanup_tmp_directories=True,  # saves killed mid-write
+            # Only what is provably abandoned is removed (`stepdir.clean` above): Orbax's own
+            # cleaning removes every temporary directory, another manager's save in flight too.
+            cleanup_tmp_directories=False,
+            # An old step is renamed out of the listing before its files go (`stepdir.purge`).
+            todelete_subdir=stepdir.DELETING,
         )
         self._orbax = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-        # Steps only go up: the latest complete step at opening, then each step this manager saves
-        # (read once, so that a step that is not due costs no listing of the directory).
-        self._last = self.latest_step()
+        stepdir.register_exit()
+        return self._orbax
+
+    def _finished(self) -> None:
+        """Wait for this manager's pending save, then drop its markers and the steps it deleted."""
+        if self._orbax is None:
+            return
+        try:
+            self._orbax.wait_until_finished()
+        finally:
+            stepdir.PENDING.discard(self)
+        for step in self._marked:
+            stepdir.unmark(self.directory, step, self._token)
+        self._marked = []
+        if stepdir.primary():
+            stepdir.purge(self.directory)
 
     # ------------------------------------------------------------ context
 
@@ -214,7 +267,7 @@ class CheckpointManager:
         """
         if not os.path.isdir(self.directory):
             return []
-        return orbax_format._entries(self.directory)[0]
+        return orbax_format._entries(self.directory, complete=True)[0]
 
     def latest_step(self) -> int | None:
         """The latest complete step, or None when the directory holds none.
@@ -289,16 +342,11 @@ class CheckpointManager:
         with self._lock:
             self._open("save")
             step = _int_step(step, "save")
-            latest = self._last
-            if latest is not None and step <= latest:
-                raise CheckpointError(
-                    f"tied.CheckpointManager.save: step {step} is not greater than the latest step saved "
-                    f"to {self.directory}, {latest}. Steps only go up (force=True too); to start again, "
-                    "use another directory."
-                )
+            self._check_step(step, self._last)  # a step that is not due: against the last check
             if not (force or step % self._interval == 0):
                 return False
             doc, stored = orbax_format.prepare(self.directory, tree, metadata)
+            self._check_step(step, self._latest_now())
             target = os.path.join(self.directory, str(step))
             if os.path.exists(target):
                 raise CheckpointError(
@@ -306,13 +354,52 @@ class CheckpointManager:
                     "not ours to overwrite. Move it away, or save another step."
                 )
             ocp = orbax_format._ocp()
-            self._orbax.wait_until_finished()  # the staging buffers are free again
+            writer = self._writer()
+            self._finished()  # the staging buffers are free again
+            if stepdir.primary():
+                busy = stepdir.busy(self.directory, step, self._token)
+                if busy is not None:
+                    raise CheckpointError(f"tied.CheckpointManager.save: {busy}; nothing was written.")
             items: dict[str, Any] = {orbax_format._MANIFEST: ocp.args.JsonSave(doc)}
             if stored:
                 items[orbax_format._ARRAYS] = ocp.args.PyTreeSave(self._stage(stored))
-            self._orbax.save(step, args=ocp.args.Composite(**items), force=True)
+            if stepdir.primary():
+                stepdir.mark(self.directory, step, self._token)
+                self._marked.append(step)
+            stepdir.PENDING.add(self)
+            writer.save(step, args=ocp.args.Composite(**items), force=True)
             self._last = step
+            if not self._async:
+                self._finished()  # complete on disk: its marker and the steps it made old go now
             return True
+
+    def _latest_now(self) -> int | None:
+        """The latest step saved: the directory's latest finalised step or this manager's last save.
+        Read from the top down: a listing, and Orbax's check of one or two names."""
+        ocp = orbax_format._ocp()
+        on_disk = None
+        for step in sorted((int(n) for n in os.listdir(self.directory) if n.isdigit()), reverse=True):
+            full = os.path.join(self.directory, str(step))
+            if os.path.isdir(os.path.join(full, orbax_format._MANIFEST)) and ocp.step.is_path_finalized(full):
+                on_disk = step
+                break
+        return max((s for s in (on_disk, self._last) if s is not None), default=None)
+
+    def _check_step(self, step: int, latest: int | None) -> None:
+        if latest is None or step > latest:
+            return
+        complete = step in self.all_steps()
+        raise CheckpointError(
+            f"tied.CheckpointManager.save: step {step} is not greater than the latest step saved "
+            f"to {self.directory}, {latest}. Steps only go up (force=True too); to start again, "
+            "use another directory."
+            + (
+                f" Step {step} exists there and is complete (saved by this manager or another one "
+                "on the directory); it is not overwritten."
+                if complete
+                else ""
+            )
+        )
 
     def _stage(self, stored: dict[str, Any]) -> dict[str, Any]:
         """Copies of the values to write, owned by this save: host buffers for what this process holds
@@ -357,7 +444,7 @@ class CheckpointManager:
         """
         with self._lock:
             if not self._closed:
-                self._orbax.wait_until_finished()
+                self._finished()
 
     def close(self) -> None:
         """Wait for pending saves (`wait`), then release Orbax's threads; closing twice is fine.
@@ -375,11 +462,13 @@ class CheckpointManager:
             if self._closed:
                 return
             try:
-                self._orbax.wait_until_finished()
+                self._finished()
             finally:
                 self._closed = True
                 self._staging = {}
-                self._orbax.close()
+                stepdir.LIVE.discard(self._token)
+                if self._orbax is not None:
+                    self._orbax.close()
 
     # ------------------------------------------------------------ reading
 
@@ -418,8 +507,19 @@ class CheckpointManager:
             )
         with self._lock:
             self._open("restore")
-            self._orbax.wait_until_finished()  # a step this manager is still writing is read whole
-            return orbax_format.load(self._step_dir(step, "restore"), like)
+            self._finished()  # a step this manager is still writing is read whole
+            if step is not None:
+                return orbax_format.load(self._step_dir(step, "restore"), like)
+            # The latest step may be deleted while it is read (another manager's max_to_keep): its
+            # files are renamed away first, so the read fails loudly; then the new latest is read.
+            for _ in range(8):
+                path = self._step_dir(None, "restore")
+                try:
+                    return orbax_format.load(path, like)
+                except CheckpointError:
+                    if os.path.isdir(path):
+                        raise
+            return orbax_format.load(self._step_dir(None, "restore"), like)
 
     def metadata(self, step: int | None = None) -> dict:
         """The ``metadata`` saved with a complete step (the latest by default).
@@ -433,7 +533,7 @@ class CheckpointManager:
         """
         with self._lock:
             self._open("metadata")
-            self._orbax.wait_until_finished()
+            self._finished()
             return orbax_format.load_metadata(self._step_dir(step, "metadata"))
 
 

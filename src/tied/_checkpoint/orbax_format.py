@@ -50,6 +50,7 @@ shape says all there is to know, and `load` creates them empty.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -79,8 +80,11 @@ def _ocp():
 # ---------------------------------------------------------------- the directory
 
 
-def _entries(root: str) -> tuple[list[int], list[str], list[str]]:
-    """A checkpoint root's finalised tied saves (numbers), unfinished saves and other entries (names)."""
+def _entries(root: str, complete: bool = False) -> tuple[list[int], list[str], list[str]]:
+    """A checkpoint root's finalised tied saves (numbers), unfinished saves and other entries (names).
+
+    With ``complete``, a finalised save is counted only if its files are there (`_complete`); the
+    others are unfinished (`tied.CheckpointManager` lists steps so; `load` names what is damaged)."""
     ocp = _ocp()
     done, unfinished, other = [], [], []
     for name in sorted(os.listdir(root)):
@@ -88,13 +92,79 @@ def _entries(root: str) -> tuple[list[int], list[str], list[str]]:
         if os.path.isdir(full) and ocp.step.is_path_temporary(full):
             unfinished.append(name)
         elif os.path.isdir(full) and name.isdigit() and os.path.isdir(os.path.join(full, _MANIFEST)):
-            if ocp.step.is_path_finalized(full):
+            if ocp.step.is_path_finalized(full) and (not complete or _complete(full)):
                 done.append(int(name))
             else:
                 unfinished.append(name)
         else:
             other.append(name)
     return sorted(done), unfinished, other
+
+
+_seen: dict[str, tuple[tuple, Any]] = {}  # file -> (its stat, what it names)
+_UNREADABLE: Any = ("<unreadable>",)
+
+
+def _names(path: str, read) -> tuple[str, ...] | None:
+    """What the JSON file at ``path`` names (``read(doc)``), read once per version of the file (its
+    stat); None when it is missing, `_UNREADABLE` when it cannot be parsed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _seen.get(path)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        names = tuple(read(json.loads(data)))
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        names = _UNREADABLE
+    if len(_seen) > 4096:
+        _seen.clear()
+    _seen[path] = (key, names)
+    return names
+
+
+def _complete(step: str) -> bool:
+    """Whether a finalised step holds its manifest and the array files that manifest names.
+
+    A step's directory can lose files without losing its name: a crash in the middle of deleting it
+    (by this version's predecessors, or by hand). Such a step must not be listed, so its manifest
+    (``tied/metadata``) is read for the arrays it stores, and Orbax's array metadata
+    (``arrays/_METADATA``) and its OCDBT manifest must be there and name every one of them. A file
+    that is there but cannot be parsed counts as there: reading the step then names the damage,
+    instead of an older step being read in its place. Each file is parsed once per version (its
+    stat); a listing then costs a few ``stat`` calls a step.
+    """
+    wanted = _names(
+        os.path.join(step, _MANIFEST, "metadata"),
+        lambda doc: [a["name"] for a in doc["arrays"] if int(np.prod(a["shape"], dtype=np.int64))],
+    )
+    if wanted is None:
+        return False
+    if wanted is _UNREADABLE or not wanted:
+        return True
+    arrays = os.path.join(step, _ARRAYS)
+    stored = _names(
+        os.path.join(arrays, "_METADATA"),
+        lambda doc: (
+            [m["key_metadata"][0]["key"] for m in doc["tree_metadata"].values()]
+            + (["<ocdbt>"] if doc.get("use_ocdbt") else [])
+        ),
+    )
+    if stored is None:
+        return False
+    if stored is _UNREADABLE:
+        return True
+    if not set(wanted) <= set(stored):
+        return False
+    return "<ocdbt>" not in stored or os.path.isfile(os.path.join(arrays, "manifest.ocdbt"))
 
 
 def _is_one_save(path: str) -> bool:

@@ -42,7 +42,7 @@ from .kinds import (
     _slotted_dataclasses,
     _WalkError,
 )
-from .state import Rng, State, _state_cache, _state_types
+from .state import Rng, State, _state_cache, _state_types, equinox_state_type
 from .state import _lock as _state_lock
 from .view import View
 
@@ -258,6 +258,11 @@ def _classify(x: Any) -> Any:
         return _STATIC
     if isinstance(x, tuple) and hasattr(t, "_fields") and is_pytree_node(t):
         return NAMEDTUPLE
+    if t is equinox_state_type():
+        # Walked by its fields (its ``_state`` dict, keyed by Equinox's names of the places,
+        # ``'BatchNorm.state_index'``), not as JAX flattens it (``<flat index 1>``); JAX's own
+        # flattening is left as Equinox made it, so Equinox code keeps passing it to JAX.
+        return OBJ
     if is_pytree_node(t):
         return PYTREE
     if dataclasses.is_dataclass(t):

@@ -3,7 +3,7 @@
 A `State` is a cell node whose ``.value`` holds an array (or a pytree of arrays):
 running statistics, a step counter, a cache. `Rng` is a random stream: a fixed key
 and a `State` counter. Other libraries' cells count as state too (every Flax NNX
-``Variable`` that is not a ``Param``), and `tied.register_state` (in `_classify`,
+``Variable`` that is not a ``Param``; Equinox's ``eqx.nn.State``), and `tied.register_state` (in `_classify`,
 beside `register`) declares a user's own.
 
 The core walk reads `is_state_type` to mark the arrays below a state cell
@@ -32,7 +32,8 @@ _lock = threading.Lock()
 
 def is_state_type(t: type) -> bool:
     """Whether instances of ``t`` are state cells: `State`, a class given to
-    `register_state`, or a Flax NNX ``Variable`` that is not an ``nnx.Param``."""
+    `register_state`, a Flax NNX ``Variable`` that is not an ``nnx.Param``, or
+    Equinox's ``eqx.nn.State``."""
     r = _state_cache.get(t)
     if r is None:
         r = _classify_state(t)
@@ -56,9 +57,19 @@ def is_nnx_variable(t: type) -> bool:
     return r
 
 
+def equinox_state_type() -> type | None:
+    """Equinox's ``eqx.nn.State`` (the state ``eqx.nn.make_with_state`` returns), if Equinox is imported."""
+    eqx_nn = sys.modules.get("equinox.nn")  # never import equinox: only a model holding it has it
+    state = getattr(eqx_nn, "State", None) if eqx_nn is not None else None
+    return state if isinstance(state, type) else None
+
+
 def _classify_state(t: type) -> bool:
     if any(b in _state_types for b in t.__mro__):
         return True
+    eqx_state = equinox_state_type()
+    if eqx_state is not None and issubclass(t, eqx_state):
+        return True  # running statistics and the like, keyed by Equinox's StateIndex
     nnx = sys.modules.get("flax.nnx")  # never import flax: only a model holding it has it
     if nnx is not None:
         variable, param = getattr(nnx, "Variable", None), getattr(nnx, "Param", None)

@@ -372,6 +372,13 @@ class CausalSelfAttention:
         and its position advances by ``seq``. The result equals the rows of ``self(x_all)``
         for those positions, where ``x_all`` is the whole sequence so far. Shapes never
         change, so a decode step compiles once under `tied.jit`.
+
+        Raises:
+            ValueError: the positions do not fit in the cache (``position + seq > max_len``),
+                eagerly at once. Under `tied.jit` (or any JAX transform that traces the
+                position) the same check runs when the compiled program does: the call fails
+                with JAX's runtime error carrying this message, and nothing is written back
+                into the caller's cache. Never a silently clamped write.
         """
         *lead, seq, dim = x.shape
         heads = self.num_heads
@@ -463,7 +470,7 @@ class TransformerBlock:
 
     def decode(self, x: Any, cache: KVCache) -> Any:
         """``self(x)`` for the next positions only, the earlier ones read from ``cache``
-        (see `CausalSelfAttention.decode`)."""
+        (see `CausalSelfAttention.decode`; a cache that overflows raises, under `tied.jit` too)."""
         x = x + self.attn.decode(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 

@@ -11,6 +11,7 @@ the semantics page says why.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import jax
@@ -364,6 +365,11 @@ class KVCache:
     one set of weights but sees two different sequences of keys, so it gets two
     caches. A new cache (or one with ``position`` set back to 0) starts a new sequence.
 
+    A write past ``max_len`` is an error, never a wrong answer: eagerly a ``ValueError``;
+    under `tied.jit` (the position traced) a callback in the compiled program raises (as
+    Equinox's ``eqx.error_if``): the call fails with JAX's runtime error carrying the same
+    message, and the caller's cache is left as it was.
+
     Args:
         max_len: the most positions the cache holds.
         num_heads: attention heads.
@@ -414,16 +420,29 @@ class KVCache:
         return f"KVCache({list(getattr(self.keys.value, 'shape', ['?']))})"
 
 
+def _overflow(bad: Any, pos: Any, seq: int, max_len: int) -> None:
+    """Raise when ``seq`` more positions after ``pos`` do not fit in the cache (batched under vmap)."""
+    if np.any(bad):
+        first = int(np.max(np.asarray(pos)))
+        raise ValueError(
+            f"KVCache: {first} positions are written and {seq} more do not fit in max_len="
+            f"{max_len}. Make a larger cache, or a new one to start a new sequence."
+        )
+
+
 def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
     """Write ``k``, ``v`` (``(*lead, seq, heads, hd)``) at the cache's position and attend
     ``q`` to every cached position up to its own; advances ``position`` by ``seq``."""
     *lead, seq, heads, hd = q.shape
     pos = cache.position.value
-    if not isinstance(pos, jax.core.Tracer) and int(pos) + seq > cache.max_len:
-        raise ValueError(
-            f"KVCache: {int(pos)} positions are written and {seq} more do not fit in max_len="
-            f"{cache.max_len}. Make a larger cache, or a new one to start a new sequence."
-        )
+    if not isinstance(pos, jax.core.Tracer):
+        _overflow(int(pos) + seq > cache.max_len, pos, seq, cache.max_len)
+    else:
+        # Traced (under tied.jit, jax.jit, scan): the position is known only when the program runs,
+        # where a write past the end would be clamped onto the last rows, a wrong answer that
+        # raises nothing. So the check runs then, as a callback that raises (Equinox's error_if
+        # does the same with its own machinery): the call fails, and nothing is written back.
+        jax.debug.callback(_overflow, pos + seq > cache.max_len, pos, seq, cache.max_len)
     if tuple(cache.keys.value.shape[1:]) != (*lead, heads, hd):
         raise ValueError(
             f"KVCache: the cache holds keys of shape {tuple(cache.keys.value.shape)} = (max_len, "
@@ -444,6 +463,8 @@ def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
 
 
 _TRAINING = jax.tree_util.GetAttrKey("training")
+_INFERENCE = jax.tree_util.GetAttrKey("inference")  # Equinox's flag: True in eval mode
+_NNX_FLAGS = ("deterministic", "use_running_average")  # Flax NNX's: True in eval mode
 
 
 def mode(model: Any, training: bool) -> Any:
@@ -456,8 +477,16 @@ def mode(model: Any, training: bool) -> Any:
     without flags, or already in that mode, is returned as it is. The flag is static,
     so each mode compiles once under `tied.jit`.
 
+    Other libraries' layers get their own flags, set as their own functions set them:
+    a Flax NNX module's ``deterministic`` and ``use_running_average`` (``True`` in
+    eval mode, as ``model.eval()`` sets them, ``False`` as ``model.train()`` does), and
+    an Equinox module's ``inference`` (as ``eqx.nn.inference_mode`` sets it). Those
+    modules are fresh copies too (the caller's NNX model is not switched in place, as
+    ``.eval()`` would), holding the caller's own Variables and arrays.
+
     Args:
-        model: any graph; every object attribute named ``training`` holding a bool is set.
+        model: any graph; every object attribute named ``training`` holding a bool is set,
+            and the NNX and Equinox flags above.
         training: True for train mode, False for eval mode.
 
     Returns:
@@ -482,19 +511,31 @@ def mode(model: Any, training: bool) -> Any:
     edges = []
     changed = False
     root = None
+    eqx_module = _foreign("equinox", "Module")
+    node_type: dict[int, type] = {}
     for place in gdef.walk_places(paths=False):  # each place's container: Place.parent and key
         parent = place.parent
         if place.kind == "static":
-            if parent >= 0 and place.key == _TRAINING and isinstance(place.value, bool) and not cells[parent]:
-                flagged[parent] = True
-                changed |= place.value != training
-                statics[place.index] = training
+            if parent >= 0 and isinstance(place.value, bool) and not cells[parent]:
+                want = _flag(place.key, node_type.get(parent), eqx_module, training)
+                if want is not None:
+                    flagged[parent] = True
+                    changed |= place.value != want
+                    statics[place.index] = want
         elif place.kind != "array":
+            node_type[place.index] = place.type
             if parent < 0:
                 root = place.index
             else:
                 edges.append((parent, place.index))
-    if root is None or not changed:
+    if root is None:
+        return model
+    places = Places(gdef)
+    nnx_flags = _nnx_flags(model, places, node_type)
+    for path, attrs in nnx_flags.items():
+        flagged[places.index[path]] = True
+        changed |= any(v != (not training) for v in attrs.values())
+    if not changed:
         return model
     grew = True
     while grew:  # up to every container above a flag, through shared nodes and cycles
@@ -505,10 +546,52 @@ def mode(model: Any, training: bool) -> Any:
     fresh = rebuild(gdef, leaves, statics=tuple(statics))
     # Everything without a flag below it goes back as the input's own object: state
     # cells, streams and untouched layers stay shared with the caller's model.
-    places = Places(gdef)
     for path in places.nodes():
         steps = places.steps[path]
         if not steps or flagged[places.index[path]] or not flagged[places.index["".join(steps[:-1])]]:
             continue
         fresh = put(fresh, steps, get(model, steps, places), places)
+    for path, attrs in nnx_flags.items():
+        # NNX keeps its flags in the module (pytree metadata, not children): set them as
+        # ``model.eval()`` / ``model.train()`` do, on this fresh copy only (never the caller's).
+        layer = get(fresh, places.steps[path], places)
+        for name in attrs:
+            setattr(layer, name, not training)
     return fresh
+
+
+def _foreign(module: str, name: str) -> type | None:
+    """A class of another library, if that library is imported (never imported here)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def _flag(key: Any, owner: type | None, eqx_module: type | None, training: bool) -> bool | None:
+    """The value `mode` gives a bool at ``key`` of a node of type ``owner``, or None (not a flag):
+    ``training`` (tied's layers), or Equinox's ``inference`` (as ``eqx.nn.inference_mode`` sets it)."""
+    if key == _TRAINING:
+        return training
+    if key == _INFERENCE and owner is not None and eqx_module is not None and issubclass(owner, eqx_module):
+        return not training
+    return None
+
+
+def _nnx_flags(model: Any, places: Places, node_type: dict[int, type]) -> dict[str, dict[str, Any]]:
+    """The Flax NNX modules of ``model`` holding ``deterministic`` or ``use_running_average`` (the
+    flags ``nnx.Module.eval`` and ``train`` set): ``{path: {name: value}}``, each module once."""
+    nnx_module = _foreign("flax.nnx", "Module")
+    if nnx_module is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    seen: set[int] = set()
+    for path in places.nodes():
+        i = places.index[path]
+        t = node_type.get(i)
+        if i in seen or t is None or not issubclass(t, nnx_module):
+            continue
+        seen.add(i)
+        fields = vars(get(model, places.steps[path], places))
+        attrs = {name: fields[name] for name in _NNX_FLAGS if name in fields}
+        if attrs:
+            out[path] = attrs
+    return out

@@ -1,0 +1,85 @@
+"""A KVCache that overflows fails loudly, eagerly and under tied.jit, never clamps its writes silently.
+
+Reference: the same decode steps run eagerly (which raise a ValueError at the step that does not fit)
+and the full-sequence attention for the steps that fit.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import tied
+from tied.nn import CausalSelfAttention, KVCache, TransformerBlock
+
+MATCH = r"KVCache: 4 positions are written and 1 more do not fit in max_len=4"
+
+
+def setup():
+    attn = CausalSelfAttention(8, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (1, 6, 8))
+    return attn, x
+
+
+def test_eagerly_the_fifth_token_into_four_places_raises():
+    attn, x = setup()
+    cache = KVCache(4, 2, 4, batch_shape=(1,))
+    for t in range(4):
+        attn.decode(x[:, t : t + 1], cache)
+    with pytest.raises(ValueError, match=MATCH):
+        attn.decode(x[:, 4:5], cache)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_under_tied_jit_the_fifth_token_into_four_places_raises_and_writes_nothing(shared):
+    """Six one-token steps into a cache of four under tied.jit: steps 1-4 equal the full attention's
+    rows; step 5 raises with the eager message, and the caller's cache is left as step 4 left it (its
+    position 4, its rows those of the eager run). With the block at two places (shared), the same."""
+    attn, x = setup()
+    model = {"a": attn, "b": attn} if shared else {"a": attn}
+    cache = KVCache(4, 2, 4, batch_shape=(1,))
+    step = tied.jit(lambda m, c, xt: m["a"].decode(xt, c))
+    ref = attn(x[:, :4])
+    outs = [step(model, cache, x[:, t : t + 1]) for t in range(4)]
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=1e-5)
+    keys, values = np.asarray(cache.keys.value), np.asarray(cache.values.value)
+    with pytest.raises(Exception, match=MATCH):
+        jax.block_until_ready(step(model, cache, x[:, 4:5]))
+    assert int(cache.position.value) == 4
+    assert np.array_equal(np.asarray(cache.keys.value), keys)
+    assert np.array_equal(np.asarray(cache.values.value), values)
+    with pytest.raises(Exception, match=MATCH):  # and again: it never goes through
+        jax.block_until_ready(step(model, cache, x[:, 5:6]))
+
+
+def test_a_jitted_block_decode_and_a_multi_token_step_overflow_loudly():
+    """TransformerBlock.decode under tied.jit, a 3-token step after 2 into a cache of 4: raises."""
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    cache = block.attn.cache(4, batch_shape=(1,))
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    step = tied.jit(lambda b, c, xt: b.decode(xt, c))
+    step(block, cache, x[:, :2])
+    with pytest.raises(
+        Exception, match=r"KVCache: 2 positions are written and 3 more do not fit in max_len=4"
+    ):
+        jax.block_until_ready(step(block, cache, x[:, 2:5]))
+    assert int(cache.position.value) == 2
+
+
+def test_overflow_under_plain_jax_jit_of_a_graph_raises_too():
+    """The check lives in the traced program, not in tied.jit: jax.jit over tied.Graph raises too."""
+    attn, x = setup()
+    cache = KVCache(4, 2, 4, batch_shape=(1,))
+
+    @jax.jit
+    def step(g, xt):
+        a, c = g.value
+        out = a.decode(xt, c)
+        return out, tied.Graph((a, c))
+
+    g = tied.Graph((attn, cache))
+    for t in range(4):
+        _, g = step(g, x[:, t : t + 1])
+    with pytest.raises(Exception, match=MATCH):
+        jax.block_until_ready(step(g, x[:, 4:5]))
