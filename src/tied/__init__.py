@@ -18,10 +18,12 @@ from ._graph import GraphDef, GraphError, flatten, is_state, register, ties, unf
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, block_until_ready, jit
+from ._lifted import remat, scan, vmap
 from ._live import lock as live_lock
 from ._manager import CheckpointManager
 from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
 from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
+from ._stack import Stack, stack, unstack
 from ._state import Rng, State
 from ._surgery import PathError, replace, tie, untie
 from ._under import under
@@ -40,6 +42,7 @@ __all__ = [
     "Params",
     "PathError",
     "Rng",
+    "Stack",
     "State",
     "View",
     "accumulate",
@@ -64,10 +67,13 @@ __all__ = [
     "print_summary",
     "register",
     "register_state",
+    "remat",
     "replace",
     "render_dot",
     "save",
+    "scan",
     "sharding_tree",
+    "stack",
     "summary",
     "tie",
     "ties",
@@ -75,9 +81,11 @@ __all__ = [
     "transpose",
     "under",
     "unflatten",
+    "unstack",
     "untie",
     "value_and_grad",
     "view",
+    "vmap",
 ]
 
 
