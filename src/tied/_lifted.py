@@ -328,7 +328,8 @@ def vmap(
             for q, v in zip(fixed, f_leaves):
                 full[q] = v
             copy = _unflatten(gdef, full)
-            out = f(*copy)
+            # a mapped Stack is handed over as one member (its slice of each stacked array)
+            out = f(*(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes)))
             after, written = _read_writes("tied.vmap", gdef, full, copy, _arg_name)
             for q in written:
                 if leaf_axes[q] != 0:
