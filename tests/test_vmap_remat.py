@@ -166,3 +166,81 @@ def test_remat_static_argnums():
     x = jnp.ones((4, 3))
     ref = _bn_model()
     _close(block(model, x, 3.0), ref(x) * 3.0)
+
+
+# ---------------------------------------------------------------- nothing silently dropped (point 7)
+
+
+def test_a_kv_cache_written_in_a_plain_lax_scan_body_is_a_graph_error_not_dropped():
+    blocks = [tied.nn.TransformerBlock(8, 2, key=jax.random.key(i)) for i in range(3)]
+    caches = [b.attn.cache(4, batch_shape=(1,)) for b in blocks]
+    stacked_blocks = tied.stack(blocks)
+    stacked_caches = tied.stack(caches)
+
+    @tied.jit
+    def decode(blocks, caches, x):
+        def body(h, layer):
+            blk, cache = layer[0].value, layer[1].value
+            return blk.decode(h, cache), None
+
+        return jax.lax.scan(body, x, (tied.Graph(blocks.member), tied.Graph(caches.member)))[0]
+
+    with pytest.raises(tied.GraphError, match=r"tied\.Graph\(\.\.\.\)\.value\.keys\.value: tied\.jit: state was written on a copy.*tied\.scan"):
+        decode(stacked_blocks, stacked_caches, jnp.ones((1, 1, 8)))
+    np.testing.assert_array_equal(stacked_caches.member.position.value, [0, 0, 0])  # untouched
+
+
+def test_jax_checkpoint_closing_over_a_batchnorm_is_a_graph_error_naming_tied_remat():
+    model = _bn_model()
+    before = model.layers[1].running_mean.value
+
+    def f(m, x):
+        return jax.checkpoint(lambda x: m(x))(x).sum()
+
+    for run in (tied.jit(f), tied.grad(f), tied.value_and_grad(f)):
+        with pytest.raises(tied.GraphError, match=r"\.layers\[1\]\.running_mean\.value: tied\.(jit|grad).*tied\.remat"):
+            run(model, jnp.ones((4, 3)))
+        assert model.layers[1].running_mean.value is before
+
+
+@pytest.mark.parametrize("transform", ["vmap", "cond", "checkpoint"])
+def test_state_written_on_a_graph_copy_inside_a_plain_transform_is_refused(transform):
+    model = _bn_model()
+    before = model.layers[1].running_mean.value
+    x = jnp.ones((4, 3)) * jnp.arange(3.0)
+
+    def f(m, x):
+        g = tied.Graph(m)
+        if transform == "vmap":
+            out = jax.vmap(lambda g, x: g.value(x), in_axes=(None, 0))(g, jnp.stack([x, x]))
+        elif transform == "cond":
+            out = jax.lax.cond(True, lambda g: g.value(x), lambda g: x, g)
+        else:
+            out = jax.checkpoint(lambda g: g.value(x))(g)
+        return out.sum()
+
+    for run in (tied.jit(f), tied.grad(f), tied.value_and_grad(f)):
+        with pytest.raises(tied.GraphError, match=r"tied\.Graph\(\.\.\.\)\.value\.layers\[1\]\.running_mean\.value"):
+            run(model, x)
+        assert model.layers[1].running_mean.value is before
+
+
+def test_a_copy_carried_out_of_the_body_is_not_refused():
+    bn = BatchNorm(3)
+    x = jnp.ones((4, 3)) * jnp.arange(3.0)
+
+    @tied.jit
+    def f(bn, x):
+        def body(g):
+            m = g.value
+            y = m(x)
+            return y, tied.Graph(m)  # the written copy goes out: the caller's to use
+
+        y, g = jax.checkpoint(body)(tied.Graph(bn))
+        bn.running_mean.value = g.value.running_mean.value  # and is written back by hand
+        return y
+
+    f(bn, x)
+    ref = BatchNorm(3)
+    ref(x)
+    _close(bn.running_mean.value, ref.running_mean.value)

@@ -15,7 +15,7 @@ import numpy as np
 from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
 from ._live import lock, slots, write
 from ._under import warn_none_selected
-from ._writeback import escaping_tracer, first_difference
+from ._writeback import copy_scope, dead_tracer, dropped_write, escaping_tracer, first_difference
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -236,7 +236,7 @@ def value_and_grad(
 
         written: list = []  # (input index, position in the written values), learnt in f
 
-        def f(params):
+        def run(params):
             full = list(inputs)
             for i, p in zip(diff, params):
                 full[i] = p
@@ -256,6 +256,21 @@ def value_and_grad(
             values = [v for _, v in new]
             return (out[0], (out[1], values)) if has_aux else (out, (None, values))
 
+        def f(params):
+            # State dropped by a plain JAX transform inside the loss is an error (see _jit's).
+            with copy_scope() as scope:
+                result = run(params)
+            values = result[1][1]
+            try:
+                kept = flatten(result)[0]
+            except GraphError:
+                kept = list(values)
+            error = dead_tracer(structure, written, values, "tied.grad", _plain_path)
+            error = error or dropped_write(scope, kept, "tied.grad")
+            if error is not None:
+                raise error
+            return result
+
         (value, (aux, new_values)), dparams = jax.value_and_grad(f, has_aux=True)([inputs[i] for i in diff])
         if written:
             _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
@@ -273,6 +288,10 @@ def value_and_grad(
         return value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+def _plain_path(path: str) -> str:
+    return path or "<root>"
 
 
 def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list) -> list:
