@@ -184,7 +184,9 @@ def test_a_body_that_changes_the_structure_or_replaces_a_broadcast_parameter_is_
         layer["norm"].weight = layer["norm"].weight * 2
         return layer["bn"](h), None
 
-    with pytest.raises(tied.GraphError, match=r"\.member\['norm'\]\.weight: tied.scan: the body replaced a broadcast"):
+    with pytest.raises(
+        tied.GraphError, match=r"\.member\['norm'\]\.weight: tied.scan: the body replaced a broadcast"
+    ):
         tied.scan(replace, jnp.ones((5, 3)), s)
     assert s.member["bn"].running_mean.value is before
 
@@ -374,7 +376,10 @@ def test_scan_over_transformer_blocks_equals_hand_written_lax_scan_and_nnx_scan(
     class Block(nnx.Module):
         def __init__(self, rngs):
             d = 16
-            self.ln1, self.ln2 = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs), nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+            self.ln1, self.ln2 = (
+                nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs),
+                nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs),
+            )
             self.qkv, self.proj = nnx.Linear(d, 3 * d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
             self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
 
@@ -393,7 +398,7 @@ def test_scan_over_transformer_blocks_equals_hand_written_lax_scan_and_nnx_scan(
         return Block(nnx.Rngs(key))
 
     nb = create(jax.random.split(jax.random.key(0), 4))
-    for name, mod, attr, k, transpose in [
+    for _, mod, attr, k, transpose in [
         ("ln1", nb.ln1, "scale", "ln1w", False), ("ln1", nb.ln1, "bias", "ln1b", False),
         ("ln2", nb.ln2, "scale", "ln2w", False), ("ln2", nb.ln2, "bias", "ln2b", False),
         ("qkv", nb.qkv, "kernel", "qkvw", True), ("qkv", nb.qkv, "bias", "qkvb", False),

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import sharing_groups
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tied
-from helpers import sharing_groups
 
 
 def places(x, path=""):
@@ -160,7 +160,10 @@ def test_nothing_is_changed_after_an_error():
 def test_random_sharing_patterns_round_trip(pattern, n):
     shared = [jnp.full((2,), 10.0 + k) for k in range(len(pattern))]
     members = [
-        {f"f{k}": (shared[k] if kind == "shared" else jnp.full((2,), float(i * 10 + k))) for k, kind in enumerate(pattern)}
+        {
+            f"f{k}": (shared[k] if kind == "shared" else jnp.full((2,), float(i * 10 + k)))
+            for k, kind in enumerate(pattern)
+        }
         for i in range(n)
     ]
     s = tied.stack(members)
@@ -174,9 +177,11 @@ def test_random_sharing_patterns_round_trip(pattern, n):
     for a, b in zip(back, members):
         for key in b:
             np.testing.assert_array_equal(a[key], b[key])
-    assert sharing_groups(back, lambda x: isinstance(x, jax.Array)) == sharing_groups(
-        members, lambda x: isinstance(x, jax.Array)
-    ) or n == 1
+    assert (
+        sharing_groups(back, lambda x: isinstance(x, jax.Array))
+        == sharing_groups(members, lambda x: isinstance(x, jax.Array))
+        or n == 1
+    )
 
 
 # ---------------------------------------------------------------- tools on a model holding a Stack

@@ -52,7 +52,9 @@ def test_per_example_gradients_against_plain_jax_on_untied_arrays():
         return jnp.sum(jnp.tanh(h @ wc.T + bc) ** 2) + jnp.sum(h @ w1.T + b1)
 
     g = tied.vmap(tied.grad(_loss), in_axes=(None, 0))(model, xs)
-    ga, _, gc, _ = jax.vmap(jax.grad(ref, argnums=(0, 1, 2, 3)), in_axes=(None, None, None, None, 0))(w, b, w, b, xs)
+    ga, _, gc, _ = jax.vmap(jax.grad(ref, argnums=(0, 1, 2, 3)), in_axes=(None, None, None, None, 0))(
+        w, b, w, b, xs
+    )
     _close(g.layers[0].weight, ga + gc)
 
 
@@ -92,7 +94,11 @@ def test_state_written_into_an_unmapped_argument_is_a_graph_error_and_nothing_is
     bn = BatchNorm(3)
     before = bn.running_mean.value
     xs = jnp.ones((4, 8, 3))
-    with pytest.raises(tied.GraphError, match=r"args\[0\]\.running_mean\.value: tied.vmap: the function wrote state into an object every example shares"):
+    with pytest.raises(
+        tied.GraphError,
+        match=r"args\[0\]\.running_mean\.value: tied.vmap: the function wrote state into an object "
+        "every example shares",
+    ):
         tied.vmap(lambda m, x: m(x), in_axes=(None, 0))(bn, xs)
     assert bn.running_mean.value is before and int(bn.num_batches_tracked.value) == 0
 
@@ -185,7 +191,11 @@ def test_a_kv_cache_written_in_a_plain_lax_scan_body_is_a_graph_error_not_droppe
 
         return jax.lax.scan(body, x, (tied.Graph(blocks.member), tied.Graph(caches.member)))[0]
 
-    with pytest.raises(tied.GraphError, match=r"tied\.Graph\(\.\.\.\)\.value\.keys\.value: tied\.jit: state was written on a copy.*tied\.scan"):
+    with pytest.raises(
+        tied.GraphError,
+        match=r"tied\.Graph\(\.\.\.\)\.value\.keys\.value: tied\.jit: state was written on a copy"
+        r".*tied\.scan",
+    ):
         decode(stacked_blocks, stacked_caches, jnp.ones((1, 1, 8)))
     np.testing.assert_array_equal(stacked_caches.member.position.value, [0, 0, 0])  # untouched
 
@@ -198,7 +208,9 @@ def test_jax_checkpoint_closing_over_a_batchnorm_is_a_graph_error_naming_tied_re
         return jax.checkpoint(lambda x: m(x))(x).sum()
 
     for run in (tied.jit(f), tied.grad(f), tied.value_and_grad(f)):
-        with pytest.raises(tied.GraphError, match=r"\.layers\[1\]\.running_mean\.value: tied\.(jit|grad).*tied\.remat"):
+        with pytest.raises(
+            tied.GraphError, match=r"\.layers\[1\]\.running_mean\.value: tied\.(jit|grad).*tied\.remat"
+        ):
             run(model, jnp.ones((4, 3)))
         assert model.layers[1].running_mean.value is before
 
@@ -220,7 +232,9 @@ def test_state_written_on_a_graph_copy_inside_a_plain_transform_is_refused(trans
         return out.sum()
 
     for run in (tied.jit(f), tied.grad(f), tied.value_and_grad(f)):
-        with pytest.raises(tied.GraphError, match=r"tied\.Graph\(\.\.\.\)\.value\.layers\[1\]\.running_mean\.value"):
+        with pytest.raises(
+            tied.GraphError, match=r"tied\.Graph\(\.\.\.\)\.value\.layers\[1\]\.running_mean\.value"
+        ):
             run(model, x)
         assert model.layers[1].running_mean.value is before
 

@@ -15,7 +15,7 @@ import numpy as np
 from ._graph import GraphDef, GraphError, _unflatten, expand, flatten, read_places
 from ._live import lock, slots, write
 from ._under import warn_none_selected
-from ._writeback import copy_scope, dead_tracer, dropped_write, escaping_tracer, first_difference
+from ._writeback import copy_scope, escaping_tracer, first_difference, refuse_dropped
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -256,21 +256,7 @@ def value_and_grad(
             values = [v for _, v in new]
             return (out[0], (out[1], values)) if has_aux else (out, (None, values))
 
-        def f(params):
-            # State dropped by a plain JAX transform inside the loss is an error (see _jit's).
-            with copy_scope() as scope:
-                result = run(params)
-            values = result[1][1]
-            try:
-                kept = flatten(result)[0]
-            except GraphError:
-                kept = list(values)
-            error = dead_tracer(structure, written, values, "tied.grad", _plain_path)
-            error = error or dropped_write(scope, kept, "tied.grad")
-            if error is not None:
-                raise error
-            return result
-
+        f = _refusing_drops(run, structure, written)
         (value, (aux, new_values)), dparams = jax.value_and_grad(f, has_aux=True)([inputs[i] for i in diff])
         if written:
             _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
@@ -292,6 +278,23 @@ def value_and_grad(
 
 def _plain_path(path: str) -> str:
     return path or "<root>"
+
+
+def _refusing_drops(run: Callable, structure: GraphDef, written: list) -> Callable:
+    """``run`` (the loss on a rebuilt model), refusing state that a plain JAX transform inside
+    it wrote on a copy and dropped, or wrote as a tracer of a finished transform."""
+
+    def f(params):
+        with copy_scope() as scope:
+            result = run(params)
+        try:
+            kept = flatten(result)[0] + list(result[1][1])
+        except GraphError:
+            kept = list(result[1][1])
+        refuse_dropped(scope, structure, written, kept, "tied.grad", _plain_path)
+        return result
+
+    return f
 
 
 def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list) -> list:

@@ -12,11 +12,11 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from . import _writeback
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
 from ._sharding import _describe_sharding, _same_layout, leaf_shardings
-from ._writeback import arguments, copy_scope, dead_tracer, donation, dropped_write, is_donated, note_carried
-from ._writeback import note_copy, place_name, returns_copy, structure_error, write_back
+from ._writeback import arguments, donation, is_donated, place_name, returns_copy, structure_error, write_back
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -84,7 +84,7 @@ class Graph:
             for x, paths in zip(self.leaves, self.graphdef.leaf_paths())
         )  # the places are read only for a Graph made inside a transform
         if traced:  # what a body carries out of a plain JAX transform (see note_copy)
-            note_carried(self.leaves)
+            _writeback.note_carried(self.leaves)
 
     @property
     def value(self) -> Any:
@@ -95,7 +95,7 @@ class Graph:
         if v is _MISSING:
             v = self._value = _unflatten(self.graphdef, self.leaves)
             if not self._made and any(isinstance(x, jax.core.Tracer) for x in self.leaves):
-                note_copy(v, self.graphdef, self.leaves)  # rebuilt by JAX inside a transform
+                _writeback.note_copy(v, self.graphdef, self.leaves)  # rebuilt by JAX inside a transform
             if not self._made and self._trusted:
                 # Rebuilt by JAX from one array per tie: a gradient that came back through a
                 # Graph (jax.grad of a function of it) is a total at every place, known as one.
@@ -233,14 +233,9 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         return _Output(out_leaves + new_values, out_gdef, totals, _Written(tuple(written)))
 
     def flat_fun(donated_leaves, kept_leaves):
-        # State written on a copy a plain JAX transform made inside ``fun`` and dropped (or
-        # written as a tracer of a finished transform) is an error, never silently lost.
-        with copy_scope() as scope:
+        with _writeback.copy_scope() as scope:  # state a plain JAX transform inside fun dropped: refused
             out = traced(donated_leaves, kept_leaves)
-        new = out.leaves[len(out.leaves) - len(out.written.indices) :]
-        error = dead_tracer(gdef, out.written.indices, new, "tied.jit") or dropped_write(scope, out.leaves, "tied.jit")
-        if error is not None:
-            raise error
+        _writeback.refuse_dropped(scope, gdef, out.written.indices, out.leaves, "tied.jit")
         return out
 
     return flat_fun

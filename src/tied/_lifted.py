@@ -269,7 +269,11 @@ def _arg_path(gdef: GraphDef, leaves: list, x: Any) -> str:
 
 
 def vmap(
-    f: Callable, in_axes: int | None | Sequence = 0, out_axes: int | None | Sequence = 0, *, axis_size: int | None = None
+    f: Callable,
+    in_axes: int | None | Sequence = 0,
+    out_axes: int | None | Sequence = 0,
+    *,
+    axis_size: int | None = None,
 ) -> Callable:
     """`jax.vmap` with tied graphs in the arguments: ties kept, state written per member.
 
@@ -311,9 +315,7 @@ def vmap(
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(
-                "tied.vmap: pass the arguments by position (in_axes names them by position)."
-            )
+            raise TypeError("tied.vmap: pass the arguments by position (in_axes names them by position).")
         axes = _per_arg(in_axes, len(args), "in_axes")
         leaves, gdef = flatten(args)
         leaf_axes = _leaf_axes(args, axes, leaves, gdef)
@@ -329,7 +331,9 @@ def vmap(
                 full[q] = v
             copy = _unflatten(gdef, full)
             # a mapped Stack is handed over as one member (its slice of each stacked array)
-            out = f(*(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes)))
+            out = f(
+                *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
+            )
             after, written = _read_writes("tied.vmap", gdef, full, copy, _arg_name)
             for q in written:
                 if leaf_axes[q] != 0:
@@ -410,7 +414,11 @@ def _join_out(parts: Any, learnt: dict) -> list:
 
 
 def remat(
-    f: Callable, *, policy: Callable | None = None, prevent_cse: bool = True, static_argnums: int | Sequence[int] = ()
+    f: Callable,
+    *,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    static_argnums: int | Sequence[int] = (),
 ) -> Callable:
     """`jax.checkpoint` with tied graphs in the arguments: recompute in the backward pass.
 

@@ -91,9 +91,7 @@ def _places(gdef: GraphDef) -> list:
 def layout(s: Stack) -> tuple[list, GraphDef, list[bool]]:
     """The member's unique arrays, its GraphDef and, per array, whether it is stacked."""
     if not isinstance(s, Stack):
-        raise TypeError(
-            f"expected a tied.Stack, got {type(s).__name__}. Make one with tied.stack(members)."
-        )
+        raise TypeError(f"expected a tied.Stack, got {type(s).__name__}. Make one with tied.stack(members).")
     leaves, gdef = flatten(s.member)
     stacked = set(s.stacked)
     flags = [False] * gdef.num_leaves
@@ -339,8 +337,6 @@ def unstack(s: Stack) -> list:
     outer = _outer_broadcast(gdef, node_stacked)
     where = Places(gdef)
     return [
-        _assemble(
-            gdef, [x[i] if st else x for x, st in zip(leaves, leaf_stacked)], s.member, outer, where
-        )
+        _assemble(gdef, [x[i] if st else x for x, st in zip(leaves, leaf_stacked)], s.member, outer, where)
         for i in range(s.n)
     ]

@@ -344,6 +344,18 @@ def note_carried(leaves: list) -> None:
         stack[-1].carried.update((id(x), x) for x in leaves)
 
 
+def refuse_dropped(
+    scope: CopyScope, gdef: GraphDef, written: Any, leaves: list, who: str, name: Any = None
+) -> None:
+    """Raise what `dead_tracer` or `dropped_write` finds for a traced call of a tied transform
+    that wrote ``written`` (its new values the last ``len(written)`` of ``leaves``, the arrays
+    it returns or writes back)."""
+    new = leaves[len(leaves) - len(written) :]
+    error = dead_tracer(gdef, written, new, who, name) or dropped_write(scope, leaves, who)
+    if error is not None:
+        raise error
+
+
 def dropped_write(scope: CopyScope, kept: list, who: str) -> GraphError | None:
     """The error for state written on a copy JAX rebuilt and not carried out of its body
     (not in a `Graph` made from it, nor among ``kept``: the arrays the tied transform
