@@ -189,7 +189,8 @@ def make_nnx(layers: int):
 
         def __call__(self, ids):
             h = jnp.take(self.embed[...], ids, axis=0)
-            h = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(h, self.blocks)
+            forward = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            h = forward(h, self.blocks)
             return _ln(h, self.lnw[...], self.lnb[...]) @ self.embed[...].T
 
     model = Model()
@@ -314,7 +315,9 @@ def report(r: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-rounds", type=int, default=7)
