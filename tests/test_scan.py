@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tied
 
@@ -415,3 +417,49 @@ def test_scan_over_transformer_blocks_equals_hand_written_lax_scan_and_nnx_scan(
 
     h_tied, _ = tied.scan(lambda h, blk, _: (blk(h), None), x, s)
     _close(nnx_forward(x, nb), h_tied, atol=1e-4)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.sampled_from(["own", "shared", "outside"]), min_size=1, max_size=4), st.integers(1, 3))
+def test_random_sharing_patterns_scan_like_the_unrolled_loop(pattern, n):
+    # each field of a member: its own array, one array for all members, or one array also
+    # held outside the stack; the gradient of each place against the unrolled list's
+    shared = [jax.random.normal(jax.random.key(100 + k), (3,)) for k in range(len(pattern))]
+    members = [
+        {
+            f"f{k}": shared[k] if kind != "own" else jax.random.normal(jax.random.key(10 * i + k), (3,))
+            for k, kind in enumerate(pattern)
+        }
+        for i in range(n)
+    ]
+    outside = {f"f{k}": shared[k] for k, kind in enumerate(pattern) if kind == "outside"}
+
+    def f(h, layer, _):
+        for k in range(len(pattern)):
+            h = jnp.tanh(h * layer[f"f{k}"] + 0.1 * k)
+        return h, h.sum()
+
+    def outer(h, out):
+        return sum(jnp.sum(h * v) for v in out.values()) + jnp.sum(h)
+
+    def loss_scan(m):
+        h, ys = tied.scan(f, jnp.ones(3), m["stack"])
+        return outer(h, m["out"]) + ys.sum()
+
+    def loss_loop(m):
+        h, total = jnp.ones(3), 0.0
+        for layer in m["stack"]:
+            h, y = f(h, layer, None)
+            total = total + y
+        return outer(h, m["out"]) + total
+
+    g = tied.grad(loss_scan)({"stack": tied.stack(members), "out": outside})
+    ref = tied.grad(loss_loop)({"stack": members, "out": outside})
+    for k, kind in enumerate(pattern):
+        got = g["stack"].member[f"f{k}"]
+        if kind == "own" and n > 1:
+            _close(got, jnp.stack([r[f"f{k}"] for r in ref["stack"]]), 1e-4, 1e-4)
+        else:  # broadcast: the total, one object here and outside
+            _close(got, ref["stack"][0][f"f{k}"], 1e-4, 1e-4)
+            if kind == "outside":
+                assert got is g["out"][f"f{k}"]

@@ -258,3 +258,23 @@ def test_adam_on_a_stack_equals_adam_on_the_unrolled_model():
         np.testing.assert_allclose(a["scale"], b["scale"], atol=1e-6)
     # one Adam state per unique parameter: the stacked weight is one parameter
     assert tied.param_count(stacked) == tied.param_count(unrolled)
+
+
+def test_a_view_of_each_members_own_array_is_stacked_only_for_transpose():
+    ws = [jnp.full((2, 3), float(i)) for i in range(3)]
+    s = tied.stack([{"w": w, "t": tied.transpose(w)} for w in ws])
+    assert s.member["t"].source is s.member["w"]  # the view follows its stacked source
+    back = tied.unstack(s)
+    np.testing.assert_array_equal(tied.materialize(back[2]["t"]), ws[2].T)
+
+    def first_row(x):
+        return x[0]
+
+    with pytest.raises(ValueError, match=r"the view at \['v'\] is each member's own view"):
+        tied.stack([{"w": w, "v": tied.view(w, first_row)} for w in ws])
+
+
+def test_a_stack_is_immutable():
+    s = tied.stack([{"w": jnp.ones(2)}, {"w": jnp.zeros(2)}])
+    with pytest.raises(AttributeError, match=r"immutable"):
+        s.member = {"w": jnp.ones((2, 2))}

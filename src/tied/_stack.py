@@ -53,7 +53,15 @@ class Stack:
     __slots__ = ("n", "member", "stacked")
 
     def __init__(self, n: int, member: Any, stacked: tuple[str, ...]):
-        self.n, self.member, self.stacked = n, member, stacked
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "member", member)
+        object.__setattr__(self, "stacked", stacked)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"a tied.Stack is immutable (its layout says which places of its member are stacked): "
+            f"build a new one with tied.stack, or change the member's contents ({name!r} not set)."
+        )
 
     def __len__(self) -> int:
         return self.n
@@ -261,6 +269,7 @@ def stack(members: Iterable) -> Stack:
     node_stacked = [_classify(False, ps, at, where) for ps in node_paths]
     leaf_stacked = [_classify(True, ps, at, where) for ps in leaf_paths]
     _cells_own_arrays(g0, places, node_stacked, leaf_stacked)
+    _views_over_stacked(places, node_stacked)
     new_leaves = []
     for q, x in enumerate(leaves0):
         if leaf_stacked[q]:
@@ -293,6 +302,20 @@ def _cells_own_arrays(g0: GraphDef, places: list, node_stacked: list, leaf_stack
             raise ValueError(
                 f"tied.stack: the array at {_name(p.path)} is held by a broadcast object and by "
                 "each member's own state cell: give each cell its own array."
+            )
+
+
+def _views_over_stacked(places: list, node_stacked: list) -> None:
+    """A view of each member's own array would be applied to the stacked array wherever the
+    stack is read whole (a gradient materialises views): only `tied.transpose`, which reads
+    the last two axes, gives the same there. Anything else is refused, never misread."""
+    for p in places:
+        if p.kind == "view" and node_stacked[p.index] and getattr(p.value, "__name__", None) != "transpose":
+            raise ValueError(
+                f"tied.stack: the view at {_name(p.path)} is each member's own view of its own array; "
+                "a view other than tied.transpose cannot be stacked (its function would be applied to "
+                "the stacked array). Hold the source array itself in the member and apply the function "
+                "in the layer's code, or share one view in every member (broadcast)."
             )
 
 
