@@ -278,3 +278,14 @@ def test_a_stack_is_immutable():
     s = tied.stack([{"w": jnp.ones(2)}, {"w": jnp.zeros(2)}])
     with pytest.raises(AttributeError, match=r"immutable"):
         s.member = {"w": jnp.ones((2, 2))}
+
+
+def test_members_that_are_arrays_and_stacks_of_stacks():
+    s = tied.stack([jnp.full(3, float(i)) for i in range(4)])
+    assert s.member.shape == (4, 3)
+    np.testing.assert_array_equal(tied.unstack(s)[3], jnp.full(3, 3.0))
+    outer = tied.stack([tied.stack([{"w": jnp.full(2, 10.0 * i + j)} for j in range(3)]) for i in range(2)])
+    assert outer.member.member["w"].shape == (2, 3, 2)
+    np.testing.assert_array_equal(tied.unstack(tied.unstack(outer)[1])[2]["w"], jnp.full(2, 12.0))
+    with pytest.raises(ValueError, match=r"static values"):
+        tied.stack([1, 2])

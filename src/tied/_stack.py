@@ -280,6 +280,13 @@ def stack(members: Iterable) -> Stack:
         {p for q, ps in enumerate(leaf_paths) if leaf_stacked[q] for p in ps}
         | {p for j, ps in enumerate(node_paths) if node_stacked[j] for p in ps}
     )
+    if places[0].kind == "static":
+        raise ValueError(
+            f"tied.stack: the members are static values ({type(ms[0]).__name__}), with no arrays "
+            "to stack. Stack layers, arrays or containers of them."
+        )
+    if places[0].kind == "array":  # members that are arrays themselves
+        return Stack(len(ms), new_leaves[0], tuple(paths))
     if not node_stacked[g0_root(places)]:
         return Stack(len(ms), ms[0], tuple(paths))  # one object in every member
     member = _assemble(g0, new_leaves, ms[0], _outer_broadcast(g0, node_stacked), Places(g0))
@@ -355,6 +362,8 @@ def unstack(s: Stack) -> list:
     paths = set(s.stacked)
     node_stacked = _stacked_nodes(gdef, paths)
     places = _places(gdef)
+    if places[0].kind == "array":
+        return [leaves[0][i] for i in range(s.n)] if leaf_stacked[0] else [s.member] * s.n
     if not node_stacked[g0_root(places)]:
         return [s.member] * s.n
     outer = _outer_broadcast(gdef, node_stacked)

@@ -395,7 +395,8 @@ def dead_tracer(gdef: GraphDef, written: Any, values: list, who: str, name: Any 
                 "jax.vmap, jax.lax.scan, jax.lax.cond) whose function closes over the model: the "
                 "new value is a tracer of that finished transform and cannot leave it. Nothing was "
                 "written into your objects. Use tied.remat, tied.vmap or tied.scan, which take the "
-                "model as an argument and carry its state writes out."
+                "model as an argument and carry its state writes out (for tied.scan, hold the object "
+                "in every stacked member, where it is broadcast, instead of closing over it)."
             )
     return None
 
