@@ -88,7 +88,7 @@ def test_reverse_orders_ys_by_member():
     h, ys = x0, [None] * 4
     for i in reversed(range(4)):
         h, ys[i] = _step(h, ref[i], None)
-    carry, out = tied.scan(_step, x0, s, reverse=True)
+    carry, out = tied.scan(_step, x0, s, reverse=True, unroll=2)
     _close(carry, h)
     _close(out, jnp.stack(ys))
     _close(s.member["bn"].running_mean.value[0], ref[0]["bn"].running_mean.value)

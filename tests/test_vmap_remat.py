@@ -126,6 +126,9 @@ def test_in_axes_that_disagree_on_one_array_are_refused():
     w = jnp.ones((4, 3))
     with pytest.raises(ValueError, match=r"mapped in one argument and not"):
         tied.vmap(lambda a, b: a + b, in_axes=(0, None))({"w": w}, {"w": w})
+    s = tied.stack([{"w": jnp.ones(4) * i, "shared": w} for i in range(4)])
+    with pytest.raises(ValueError, match=r"holds a tied.Stack below its root"):
+        tied.vmap(lambda m: m["s"].member["w"])({"s": s})  # its broadcast (4, 3) would be misread
 
 
 # ---------------------------------------------------------------- remat

@@ -252,7 +252,14 @@ def _leaf_axes(args: tuple, axes: list, leaves: list, gdef: GraphDef) -> list:
             a_leaves, _, flags = layout(a)
             pairs = [(x, 0 if f else None) for x, f in zip(a_leaves, flags)]
         else:
-            pairs = [(x, ax) for x in flatten(a)[0]]
+            a_leaves, a_gdef = flatten(a)
+            if ax is not None and any(p.type is Stack for p in a_gdef.walk_places(paths=False)):
+                raise ValueError(
+                    "tied.vmap: an argument mapped on an axis holds a tied.Stack below its root, whose "
+                    "broadcast objects have no member axis. Pass the Stack as its own argument "
+                    "(in_axes=0 maps its members and shares its broadcast objects)."
+                )
+            pairs = [(x, ax) for x in a_leaves]
         for x, v in pairs:
             if found.setdefault(id(x), v) != v:
                 raise ValueError(
