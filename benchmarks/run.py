@@ -29,7 +29,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, host, manager, sharded, state
+from . import checkpoint, deep, host, manager, sharded, state
 from . import workloads as W
 
 HERE = Path(__file__).resolve().parent
@@ -357,6 +357,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += manager.report(results["manager"])
     if "state" in results:
         lines += state.report(results["state"])
+    if "deep" in results:
+        lines += deep.report(results["deep"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -416,6 +418,9 @@ def main(argv=None) -> dict:
     results["manager"] = manager.main(["--rounds", "3" if args.quick else "7"])
     print("[state] BatchNorm + Dropout step and KV-cache decode, against state threaded by hand", flush=True)
     results["state"] = state.main(["--rounds", "3" if args.quick else "15"])
+    print("[deep] 24-block LM: tied.scan, hand-written jax.lax.scan, unrolled tied, nnx.scan", flush=True)
+    deep_args = ["--layers", "4", "--rounds", "1", "--step-rounds", "3"] if args.quick else ["--rounds", "3"]
+    results["deep"] = deep.main(deep_args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

@@ -28,6 +28,7 @@ def test_every_example_is_tested():
     tested.add("cnn_batchnorm")
     tested.add("resumable_training")  # run (and killed, and resumed) by tests/test_manager.py
     tested.add("gpt2_from_transformers")  # run against transformers itself by tests/test_hf.py
+    tested.add("scan_lm")
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -113,3 +114,13 @@ def test_cnn_batchnorm_shared_block_statistics_and_modes():
     assert r["updates"] == 2 * 150  # the shared BatchNorm moves twice per step
     assert r["dropout_draws"] == 150
     assert r["acc_eval"] >= 0.85 and r["acc_eval_train_set"] >= 0.85
+
+
+def test_scan_lm():
+    r = load("scan_lm").main(verbose=False)
+    assert r["one_gradient"] and r["still_tied"]
+    assert r["loss_after"] < r["loss_before"] - 1.0
+    assert r["train_traces"] == 1 and r["generate_compiles"] == 1  # one block traced, not twelve
+    assert r["decode_matches_forward"]
+    assert r["text"].startswith("Shall I ") and len(r["text"]) == 32
+    np.testing.assert_array_equal(r["positions"], [31] * 12)  # every block's cache written

@@ -4,21 +4,26 @@ and writing into live objects. See README.md beside this file.
 """
 
 from .classify import register, register_state
-from .errors import Located, ModelChangedError
+from .errors import Located, ModelChangedError, where
 from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
-from .kinds import KIND_BY_NAME, GraphError
+from .kinds import GraphError
 from .live import changed, check_written, restore, slots, write
 from .params import Trainable, is_param, trainable_mask
+from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, with_child
 from .read import read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
 from .view import View, fn_name, materialize, transpose, view
 from .writeback import (
+    copy_scope,
     escaping_tracer,
     first_difference,
     flatten_arguments,
+    note_carried,
+    note_copy,
     place_name,
+    refuse_dropped,
     refuse_static_writes,
     static_snapshot,
     structure_error,
@@ -28,9 +33,11 @@ from .writeback import (
 __all__ = [
     "GraphDef",
     "GraphError",
-    "KIND_BY_NAME",
+    "LEAF_KINDS",
     "Located",
     "ModelChangedError",
+    "PathError",
+    "Places",
     "Rng",
     "State",
     "Trainable",
@@ -38,6 +45,8 @@ __all__ = [
     "at_or_below",
     "changed",
     "check_written",
+    "child",
+    "copy_scope",
     "covered",
     "escaping_tracer",
     "expand",
@@ -45,15 +54,22 @@ __all__ = [
     "flatten",
     "flatten_arguments",
     "fn_name",
+    "get",
+    "is_array",
     "is_param",
+    "is_prefix",
     "is_state",
     "live_lock",
     "materialize",
+    "note_carried",
+    "note_copy",
     "place_name",
     "place_paths",
     "plan_cache",
+    "put",
     "read_places",
     "rebuild",
+    "refuse_dropped",
     "refuse_static_writes",
     "register",
     "register_state",
@@ -69,6 +85,8 @@ __all__ = [
     "view",
     "warn_empty_masks",
     "warn_none_selected",
+    "where",
+    "with_child",
     "write",
     "write_back",
 ]

@@ -10,7 +10,9 @@ Core layer: it reads GraphDefs by name only.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from typing import Any
 
 import jax
@@ -71,7 +73,13 @@ def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError
 
 
 def write_back(
-    root: Any, gdef: GraphDef, written: tuple, values: list, action: str, inputs: list | None = None
+    root: Any,
+    gdef: GraphDef,
+    written: tuple,
+    values: list,
+    action: str,
+    inputs: list | None = None,
+    who: str | None = None,
 ) -> None:
     """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
     one write per unique container, under `tied.live_lock`. Every place is found (by the
@@ -79,7 +87,13 @@ def write_back(
     anything is written: writable, and, given ``inputs`` (the leaves flattened before the
     call), the arguments still of the structure and arrays the call was given, so a model
     changed while the call ran (by another thread, or a callback inside it) is refused,
-    never half-updated."""
+    never half-updated. Given ``inputs``, a value traced by a transform that encloses the
+    caller's objects (they are not traced themselves) is refused too: it would stay in them
+    as a dead traced value (``who`` names what wrote it; default ``action``)."""
+    if inputs is not None:
+        escaping = escaping_tracer(gdef, inputs, written, values, who or action, "nothing was written")
+        if escaping is not None:
+            raise escaping
     with live_lock:
         if inputs is not None and _fused(root, gdef, written, values, inputs, action):
             return
@@ -304,3 +318,135 @@ def refuse_static_writes(held: list, name: Any = None) -> None:
             at_path,
             name=name,
         )
+
+
+# ---------------------------------------------------------------- writes a plain JAX transform would drop
+#
+# `tied.Graph(m)` hands a model to any JAX function, which rebuilds it (``.value``) from its
+# own tracers inside a body (jax.lax.scan, jax.vmap, jax.checkpoint, jax.lax.cond). State
+# written on that copy stays there unless the body carries the copy out, and a body that
+# closes over the model writes tracers of a finished transform into it. The enclosing tied
+# transform (`tied.jit`, `tied.grad`) opens a scope; `Graph` reports the copies JAX rebuilt and
+# the graphs made from tracers (carried out); the scope's owner refuses what was dropped.
+
+_scopes = threading.local()
+
+
+class CopyScope:
+    """The copies a plain JAX transform rebuilt inside one tied transform, and the arrays
+    carried out of bodies (kept alive, so an id is never reused while the scope lives)."""
+
+    __slots__ = ("copies", "carried")
+
+    def __init__(self):
+        self.copies: list = []
+        self.carried: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def copy_scope():
+    """Open a scope in which `note_copy` and `note_carried` record (one per traced call)."""
+    stack = _scopes.__dict__.setdefault("stack", [])
+    scope = CopyScope()
+    stack.append(scope)
+    try:
+        yield scope
+    finally:
+        stack.pop()
+
+
+def note_copy(value: Any, gdef: GraphDef, leaves: list) -> None:
+    """A graph JAX rebuilt from tracers (a `Graph`'s ``.value`` inside a body), as it was."""
+    stack = getattr(_scopes, "stack", None)
+    if stack:
+        stack[-1].copies.append((value, gdef, list(leaves)))
+
+
+def note_carried(leaves: list) -> None:
+    """Arrays a `Graph` made from tracers holds: what a body carries out of a transform."""
+    stack = getattr(_scopes, "stack", None)
+    if stack:
+        stack[-1].carried.update((id(x), x) for x in leaves)
+
+
+def refuse_dropped(
+    scope: CopyScope, gdef: GraphDef, written: Any, leaves: list, who: str, name: Any = None
+) -> None:
+    """Raise what `dead_tracer` or `dropped_write` finds for a traced call of a tied transform
+    that wrote ``written`` (its new values the last ``len(written)`` of ``leaves``, the arrays
+    it returns or writes back)."""
+    new = leaves[len(leaves) - len(written) :]
+    error = dead_tracer(gdef, written, new, who, name) or dropped_write(scope, leaves, who)
+    if error is not None:
+        raise error
+
+
+def dropped_write(scope: CopyScope, kept: list, who: str) -> GraphError | None:
+    """The error for state written on a copy JAX rebuilt and not carried out of its body
+    (not in a `Graph` made from it, nor among ``kept``: the arrays the tied transform
+    returns or writes back), or None."""
+    carried = dict(scope.carried)
+    carried.update((id(x), x) for x in kept)
+    for value, gdef, leaves in scope.copies:
+        try:
+            now, now_gdef = flatten(value)
+        except GraphError:
+            continue
+        if now_gdef != gdef:
+            continue
+        state = gdef.state_leaves()
+        for q, (a, b) in enumerate(zip(now, leaves)):
+            if a is not b and state[q] and carried.get(id(a)) is not a:
+                return GraphError(
+                    f"tied.Graph(...).value{gdef.leaf_paths()[q][0]}: {who}: state was written on a "
+                    "copy of a model that a plain JAX transform (jax.lax.scan, jax.vmap, "
+                    "jax.checkpoint, jax.lax.cond) rebuilt from a tied.Graph, and the copy was not "
+                    "carried out of that transform, so the write would be silently dropped. Nothing "
+                    "was written into your objects. Use the tied transform, which carries state "
+                    "writes out: tied.scan over a tied.stack of the layers, tied.vmap, tied.remat; "
+                    "or return tied.Graph(copy) from the body and write its state back yourself."
+                )
+    return None
+
+
+def dead_tracer(gdef: GraphDef, written: Any, values: list, who: str, name: Any = None) -> GraphError | None:
+    """The error for a new value that is a tracer of a transform that has finished (state a
+    body that closes over the model wrote into it), or None."""
+    for q, v in zip(written, values):
+        if isinstance(v, jax.core.Tracer) and not _live(v):
+            path = (name or place_name)(gdef.leaf_paths()[q][0])
+            return GraphError(
+                f"{path}: {who}: state was written inside a plain JAX transform (jax.checkpoint, "
+                "jax.vmap, jax.lax.scan, jax.lax.cond) whose function closes over the model: the "
+                "new value is a tracer of that finished transform and cannot leave it. Nothing was "
+                "written into your objects. Use tied.remat, tied.vmap or tied.scan, which take the "
+                "model as an argument and carry its state writes out (for tied.scan, hold the object "
+                "in every stacked member, where it is broadcast, instead of closing over it)."
+            )
+    return None
+
+
+def _live(tracer: Any) -> bool:
+    """Whether ``tracer`` belongs to the trace running now or one it runs inside. JAX keeps
+    no public answer (a finished jax.checkpoint's trace still says it is valid), so the
+    chain of running traces is read through JAX's private ``trace_ctx``; where it cannot
+    be read to its end, the tracer counts as live (never a false refusal)."""
+    trace = getattr(tracer, "_trace", None)
+    is_valid = getattr(trace, "is_valid", None)
+    if is_valid is not None and not is_valid():
+        return False
+    try:
+        from jax._src import core
+    except ImportError:  # pragma: no cover - JAX moved its internals
+        return True
+    cur = getattr(getattr(core, "trace_ctx", None), "trace", None)
+    for _ in range(1000):
+        if cur is None:
+            return True
+        if cur is trace:
+            return True
+        parent = getattr(cur, "parent_trace", None)
+        if parent is None:
+            return not isinstance(cur, getattr(core, "EvalTrace", ()))  # the chain's end
+        cur = parent
+    return True

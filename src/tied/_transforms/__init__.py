@@ -5,7 +5,9 @@ mode. See README.md beside this file.
 from .grad import Convention, accumulate, check_convention, grad, is_param, total_of, value_and_grad
 from .implicit import Grads, Params, gradient, params
 from .jit import Graph, block_until_ready, jit
+from .lifted import remat, scan, vmap
 from .sharding import DataParallel, data_parallel, device_put, sharding_tree
+from .stack import Stack, stack, unstack
 
 __all__ = [
     "Convention",
@@ -13,6 +15,7 @@ __all__ = [
     "Grads",
     "Graph",
     "Params",
+    "Stack",
     "accumulate",
     "block_until_ready",
     "check_convention",
@@ -23,7 +26,12 @@ __all__ = [
     "is_param",
     "jit",
     "params",
+    "remat",
+    "scan",
     "sharding_tree",
+    "stack",
     "total_of",
+    "unstack",
     "value_and_grad",
+    "vmap",
 ]

@@ -15,18 +15,18 @@ from .._core import (
     GraphDef,
     GraphError,
     Trainable,
-    escaping_tracer,
+    copy_scope,
     expand,
     first_difference,
     flatten,
     is_param,
-    live_lock,
     read_places,
     rebuild,
-    slots,
+    refuse_dropped,
     trainable_mask,
     warn_none_selected,
-    write,
+    where,
+    write_back,
 )
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
@@ -182,7 +182,7 @@ def value_and_grad(
 
         written: list = []  # (input index, position in the written values), learnt in f
 
-        def f(params):
+        def run(params):
             full = list(inputs)
             for i, p in zip(diff, params):
                 full[i] = p
@@ -202,6 +202,7 @@ def value_and_grad(
             values = [v for _, v in new]
             return (out[0], (out[1], values)) if has_aux else (out, (None, values))
 
+        f = _refusing_drops(run, structure, written)
         (value, (aux, new_values)), dparams = jax.value_and_grad(f, has_aux=True)([inputs[i] for i in diff])
         if written:
             _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
@@ -219,6 +220,23 @@ def value_and_grad(
         return value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+def _refusing_drops(run: Callable, structure: GraphDef, written: list) -> Callable:
+    """``run`` (the loss on a rebuilt model), refusing state that a plain JAX transform inside
+    it wrote on a copy and dropped, or wrote as a tracer of a finished transform."""
+
+    def f(params):
+        with copy_scope() as scope:
+            result = run(params)
+        try:
+            kept = flatten(result)[0] + list(result[1][1])
+        except GraphError:
+            kept = list(result[1][1])
+        refuse_dropped(scope, structure, written, kept, "tied.grad", where)
+        return result
+
+    return f
 
 
 def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list) -> list:
@@ -270,12 +288,8 @@ def _write_state(args, nums, single, leaves, gdef, structure, written, values, p
                 )
             by_leaf[q] = v
         written, values = list(by_leaf), list(by_leaf.values())
-    escaping = escaping_tracer(gdef, leaves, written, values, "the loss", "nothing was written")
-    if escaping is not None:
-        raise escaping
     model = args[nums[0]] if single else tuple(args[i] for i in nums)
-    with live_lock:
-        write(slots(model, gdef, written, action="tied.grad", frozen_ok=True), values)
+    write_back(model, gdef, tuple(written), values, "tied.grad", leaves, who="the loss")
 
 
 def grad(

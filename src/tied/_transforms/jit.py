@@ -15,11 +15,15 @@ from jax.sharding import PartitionSpec
 from .._core import (
     GraphDef,
     GraphError,
+    copy_scope,
     flatten,
     flatten_arguments,
+    note_carried,
+    note_copy,
     place_name,
     plan_cache,
     rebuild,
+    refuse_dropped,
     refuse_static_writes,
     static_snapshot,
     structure_error,
@@ -88,10 +92,13 @@ class Graph:
         self._made = True
         # A Graph made inside a transform from computed values whose ties are not tied's own
         # totals (plain jax.grad's aliased partials, say) must not pass them off as totals.
-        self._trusted = not any(isinstance(x, jax.core.Tracer) for x in self.leaves) or not any(
+        traced = any(isinstance(x, jax.core.Tracer) for x in self.leaves)
+        self._trusted = not traced or not any(
             isinstance(x, jax.core.Tracer) and len(paths) > 1 and not is_total(x)
             for x, paths in zip(self.leaves, self.graphdef.leaf_paths())
         )  # the places are read only for a Graph made inside a transform
+        if traced:  # what a body carries out of a plain JAX transform (see note_copy)
+            note_carried(self.leaves)
 
     @property
     def value(self) -> Any:
@@ -101,6 +108,8 @@ class Graph:
         v = self._value
         if v is _MISSING:
             v = self._value = rebuild(self.graphdef, self.leaves)
+            if not self._made and any(isinstance(x, jax.core.Tracer) for x in self.leaves):
+                note_copy(v, self.graphdef, self.leaves)  # rebuilt by JAX inside a transform
             if not self._made and self._trusted:
                 # Rebuilt by JAX from one array per tie: a gradient that came back through a
                 # Graph (jax.grad of a function of it) is a total at every place, known as one.
@@ -283,7 +292,7 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
     ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
     existing places of its arguments (written back by the caller)."""
 
-    def flat_fun(donated_leaves, kept_leaves):
+    def traced(donated_leaves, kept_leaves):
         both = list(donated_leaves) + list(kept_leaves)
         leaves = [both[p] for p in inverse]
         root = rebuild(gdef, leaves)
@@ -324,6 +333,12 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         # what was written travel back through JAX as static auxiliary data.
         totals = tuple(i for i, x in enumerate(out_leaves) if is_total(x))
         return _Output(out_leaves + new_values, out_gdef, totals, _Written(tuple(written)))
+
+    def flat_fun(donated_leaves, kept_leaves):
+        with copy_scope() as scope:  # state a plain JAX transform inside fun dropped: refused
+            out = traced(donated_leaves, kept_leaves)
+        refuse_dropped(scope, gdef, out.written.indices, out.leaves, "tied.jit")
+        return out
 
     return flat_fun
 

@@ -4,16 +4,12 @@
 
 from .inspect import param_count, print_summary, render_dot, summary, to_dot
 from .map import map
-from .surgery import PathError, Places, get, put, replace, tie, untie
+from .surgery import replace, tie, untie
 
 __all__ = [
-    "PathError",
-    "Places",
-    "get",
     "map",
     "param_count",
     "print_summary",
-    "put",
     "render_dot",
     "replace",
     "summary",

@@ -18,188 +18,25 @@ core's node kinds; they write only into the fresh copy (and, for `tied.map`'s
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-import jax
 import numpy as np
 
-from .._core import KIND_BY_NAME, GraphDef, GraphError, Located, flatten, unflatten
+from .._core import (
+    LEAF_KINDS,
+    GraphError,
+    PathError,
+    Places,
+    flatten,
+    get,
+    is_array,
+    is_prefix,
+    put,
+    unflatten,
+    where,
+)
 
 __all__ = ["PathError", "replace", "tie", "untie"]
-
-
-class PathError(Located, KeyError):
-    """A path that names no place of the model; the message lists the nearest valid paths.
-
-    Examples:
-        >>> import jax.numpy as jnp, tied
-        >>> w = jnp.ones(2)
-        >>> try:
-        ...     tied.untie({"embed": w, "head": w}, "['embd']")
-        ... except tied.PathError as e:
-        ...     print(e)
-        tied.untie: "['embd']" is not a place of the model. Nearest valid paths: ['embed'], ['head'], <root>.
-        Paths are written as tied.ties and tied.summary print them.
-    """
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0]) if self.args else ""
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _show(path: str) -> str:
-    return path or "<root>"
-
-
-# ---------------------------------------------------------------- places and steps
-_LEAF_KINDS = ("array", "static")
-
-
-class Places:
-    """Every place of a graph, from `GraphDef.walk_places`: its *steps* (the keystr pieces
-    from the root, so ``''.join(steps)`` is the path), what it holds (``"array"``,
-    ``"static"`` or a node kind's name) and the index of that array or node.
-
-    Places below a shared node are listed at every place of it (for a graph with a
-    reference cycle, only below each node's first place). No path is ever parsed: each
-    step is the part of a place's path after its container's path.
-    """
-
-    def __init__(self, gdef: GraphDef):
-        self.gdef = gdef
-        try:
-            walk = list(gdef.walk_places(expand_shared=True))
-        except GraphError:  # a reference cycle: infinitely many places; the first ones
-            walk = list(gdef.walk_places())
-        self.steps: dict[str, tuple[str, ...]] = {}
-        self.kind: dict[str, str] = {}
-        self.index: dict[str, int] = {}
-        # Paths that two places write alike (an attribute named "a.b" beside a.b): their steps.
-        self.alike: dict[str, list[tuple[str, ...]]] = {}
-        open_nodes: list[tuple[str, tuple[str, ...]]] = []  # (path, steps) of the open node at each depth
-        for place in walk:
-            del open_nodes[place.depth :]
-            if place.depth:
-                parent, parent_steps = open_nodes[place.depth - 1]
-                steps = parent_steps + (jax.tree_util.keystr((place.key,)),)
-            else:
-                steps = ()
-            if place.path not in self.steps:
-                self.steps[place.path] = steps
-                self.kind[place.path] = place.kind
-                self.index[place.path] = place.index
-            else:  # each place is walked once: a path met again is a second place written alike
-                self.alike.setdefault(place.path, [self.steps[place.path]]).append(steps)
-            if place.kind not in _LEAF_KINDS:
-                open_nodes.append((place.path, steps))
-        self.leaf_of = {p: i for p, i in self.index.items() if self.kind[p] == "array"}
-
-    def nodes(self) -> list[str]:
-        """The places of nodes, in walk order (parents first)."""
-        return [p for p, k in self.kind.items() if k not in _LEAF_KINDS]
-
-    def resolve(self, path: Any, *, who: str) -> str:
-        """``path`` itself (``'<root>'`` read as ``''``), or a `PathError` listing the nearest
-        valid paths."""
-        if not isinstance(path, str):
-            raise TypeError(
-                f"{who}: paths are keystr strings such as '.layers[0].weight' (as tied.ties prints "
-                f"them), got {type(path).__name__} {path!r}."
-            )
-        if path == "<root>":
-            path = ""
-        if path not in self.steps:
-            near = difflib.get_close_matches(path, [_show(p) for p in self.steps], n=5, cutoff=0.0)
-            raise PathError(
-                f"{who}: {path!r} is not a place of the model. Nearest valid paths: "
-                f"{', '.join(near) or 'none'}. Paths are written as tied.ties and tied.summary "
-                "print them."
-            )
-        if path in self.alike:
-            shown = " and ".join("(" + ", ".join(repr(k) for k in steps) + ")" for steps in self.alike[path])
-            raise ValueError(
-                f"{who}: {_show(path)} names {len(self.alike[path])} places of the model, whose keys (keystr "
-                f"pieces from the root) are {shown}: an attribute or key whose name holds a '.' or brackets "
-                "is written like a path below it. Rename that attribute so each place has its own path."
-            )
-        return path
-
-    def same_object(self, path: str) -> tuple[str, ...]:
-        """Every place of the array or node at ``path`` (through the first place of each
-        shared container, as the core lists them); a static's own place only."""
-        kind, i = self.kind[path], self.index[path]
-        if kind == "array":
-            return self.gdef.leaf_paths()[i]
-        if kind == "static":
-            return (path,)
-        return self.gdef.node_paths()[i]
-
-    def container_kind(self, steps: tuple[str, ...]) -> Any:
-        return KIND_BY_NAME[self.kind["".join(steps)]]
-
-
-def _is_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    return len(a) < len(b) and b[: len(a)] == a
-
-
-def child(x: Any, kind: Any, step: str) -> Any:
-    """The child of node ``x`` (of the given kind) at ``step``."""
-    children, meta = kind.children(x)
-    n = len(children)
-    for i in range(n):
-        if kind.key(meta, i, n) == step:
-            return children[i]
-    raise GraphError(f"the {kind.name} has no child {step}: the graph changed while being read.")
-
-
-def with_child(x: Any, kind: Any, step: str, value: Any) -> Any:
-    """``x`` with ``value`` at ``step``: ``x`` itself, changed in place, for a kind that can
-    be written (a list, dict, object, View), else a new node of the same kind. Only ever
-    called on the nodes of a fresh copy."""
-    children, meta = kind.children(x)
-    n = len(children)
-    i = next(i for i in range(n) if kind.key(meta, i, n) == step)
-    if kind.writable:
-        kind.setter(meta, x, i)(value)
-        return x
-    children[i] = value
-    return kind.make(meta, children)
-
-
-def get(root: Any, steps: tuple[str, ...], places: Places) -> Any:
-    """The object at ``steps`` below ``root``, a graph with the structure ``places`` reads."""
-    for k in range(len(steps)):
-        root = child(root, places.container_kind(steps[:k]), steps[k])
-    return root
-
-
-def put(root: Any, steps: tuple[str, ...], value: Any, places: Places) -> Any:
-    """Put ``value`` at the place ``steps`` of the fresh graph ``root`` (whose structure
-    ``places`` reads); return the root (a new one when the root itself was rebuilt).
-
-    A container that cannot change in place (a tuple, a JAX pytree) is rebuilt and put
-    at every place of the old one, so a shared container stays one object."""
-    if not steps:
-        return value
-    parent = get(root, steps[:-1], places)
-    kind = places.container_kind(steps[:-1])
-    if child(parent, kind, steps[-1]) is value:
-        return root
-    new = with_child(parent, kind, steps[-1], value)
-    if new is parent:
-        if len(steps) > 1 and get(root, steps[:-1], places) is not parent:
-            # the parent is made anew each time its own container is read (a pytree whose
-            # flatten builds a list): write the changed one into that container
-            return put(root, steps[:-1], parent, places)
-        return root
-    now = Places(flatten(root)[1])  # the root still holds the old parent at all its places
-    for q in sorted(now.same_object("".join(steps[:-1])), key=len, reverse=True):
-        root = put(root, now.steps[q], new, now)
-    return root
 
 
 # ---------------------------------------------------------------- copies and checks
@@ -212,14 +49,14 @@ def _copy_array(x: Any) -> Any:
 def deep_copy(obj: Any) -> Any:
     """A copy of an array or of a whole subgraph: new containers and new arrays with equal
     values; ties inside it are kept, static values are shared (they are values)."""
-    if _is_array(obj):
+    if is_array(obj):
         return _copy_array(obj)
     leaves, gdef = flatten(obj)
     return unflatten(gdef, [_copy_array(x) for x in leaves])
 
 
 def _describe_value(x: Any) -> str:
-    if _is_array(x):
+    if is_array(x):
         return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"a {type(x).__module__}.{type(x).__qualname__}"
 
@@ -232,23 +69,23 @@ def _signature(node: Any) -> dict[str, tuple]:
 def _check_tieable(p0: str, o0: Any, p: str, o: Any) -> None:
     def fail(what: str) -> ValueError:
         return ValueError(
-            f"tied.tie: {_show(p)} cannot hold the object at {_show(p0)}: {what}. Tie places "
+            f"tied.tie: {where(p)} cannot hold the object at {where(p0)}: {what}. Tie places "
             "that hold arrays of one shape and dtype, or containers of one type with arrays of "
             "the same shapes and dtypes at the same paths."
         )
 
-    if _is_array(o0) != _is_array(o) or (not _is_array(o) and type(o) is not type(o0)):
-        raise fail(f"{_show(p0)} holds {_describe_value(o0)}, {_show(p)} holds {_describe_value(o)}")
-    if _is_array(o):
+    if is_array(o0) != is_array(o) or (not is_array(o) and type(o) is not type(o0)):
+        raise fail(f"{where(p0)} holds {_describe_value(o0)}, {where(p)} holds {_describe_value(o)}")
+    if is_array(o):
         if tuple(o.shape) != tuple(o0.shape) or np.dtype(o.dtype) != np.dtype(o0.dtype):
-            raise fail(f"{_show(p0)} holds {_describe_value(o0)}, {_show(p)} holds {_describe_value(o)}")
+            raise fail(f"{where(p0)} holds {_describe_value(o0)}, {where(p)} holds {_describe_value(o)}")
         return
     s0, s = _signature(o0), _signature(o)
     for rel in list(s0) + [r for r in s if r not in s0]:
         a, b = s0.get(rel), s.get(rel)
         if a != b:
             what = lambda v: "no array" if v is None else f"an array of shape {v[0]} and dtype {v[1]}"
-            raise fail(f"{_show(p0 + rel)} holds {what(a)}, {_show(p + rel)} holds {what(b)}")
+            raise fail(f"{where(p0 + rel)} holds {what(a)}, {where(p + rel)} holds {what(b)}")
 
 
 # ---------------------------------------------------------------- the public functions
@@ -257,7 +94,7 @@ def _check_tieable(p0: str, o0: Any, p: str, o: Any) -> None:
 def _refuse_static(places: Places, path: str, who: str, why: str) -> None:
     if places.kind[path] == "static":
         raise ValueError(
-            f"{who}: {_show(path)} holds a static value (a number, string, None, a function), "
+            f"{who}: {where(path)} holds a static value (a number, string, None, a function), "
             f"which is never tied, {why}. Give the place of an array or of a container."
         )
 
@@ -303,16 +140,16 @@ def tie(tree: Any, *paths: str) -> Any:
         _refuse_static(places, p, "tied.tie", "so it cannot be tied")
         if places.kind[p] == "array" and state[places.leaf_of[p]]:
             raise GraphError(
-                f"tied.tie: {_show(p)} is an array below a state cell, and state is shared by cell, "
+                f"tied.tie: {where(p)} is an array below a state cell, and state is shared by cell, "
                 "never by the array a cell holds (two cells holding one array are two states). "
                 "Tie the cells themselves: give the places of the cells (without '.value')."
             )
     steps = [places.steps[p] for p in paths]
     for a in range(len(steps)):
         for b in range(len(steps)):
-            if _is_prefix(steps[a], steps[b]):
+            if is_prefix(steps[a], steps[b]):
                 raise ValueError(
-                    f"tied.tie: {_show(paths[b])} lies inside {_show(paths[a])}; a place cannot "
+                    f"tied.tie: {where(paths[b])} lies inside {where(paths[a])}; a place cannot "
                     "be tied to a place inside itself. Give places that do not contain each other."
                 )
     fresh = unflatten(gdef, leaves)
@@ -365,12 +202,12 @@ def untie(tree: Any, path: str) -> Any:
         # A place of the container below itself is a reference back up a cycle (a child's
         # `.parent`): the same place seen again, not another place sharing it.
         others = [
-            q for q in places.same_object(inner) if q != inner and not _is_prefix(steps[:k], places.steps[q])
+            q for q in places.same_object(inner) if q != inner and not is_prefix(steps[:k], places.steps[q])
         ]
         if others:
             raise ValueError(
-                f"tied.untie: {_show(path)} lies inside {_show(inner)}, a container shared with "
-                f"{', '.join(_show(q) for q in others)}, so it is one place with "
+                f"tied.untie: {where(path)} lies inside {where(inner)}, a container shared with "
+                f"{', '.join(where(q) for q in others)}, so it is one place with "
                 f"{others[0]}{path[len(inner) :]}. Untie the container first: "
                 f"tied.untie(tree, {inner!r})."
             )
@@ -387,14 +224,14 @@ def _refuse_copying_above(places: Places, path: str) -> None:
     """A container whose contents reach a container above it (a child's ``.parent``) cannot be
     copied alone: the copy would hold a copy of the model around it."""
     steps = places.steps[path]
-    if places.kind[path] in _LEAF_KINDS:
+    if places.kind[path] in LEAF_KINDS:
         return
     above = {places.index["".join(steps[:k])]: "".join(steps[:k]) for k in range(len(steps))}
     for q, kind in places.kind.items():
-        if kind not in _LEAF_KINDS and places.index[q] in above and _is_prefix(steps, places.steps[q]):
+        if kind not in LEAF_KINDS and places.index[q] in above and is_prefix(steps, places.steps[q]):
             top = above[places.index[q]]
             raise ValueError(
-                f"tied.untie: the container at {_show(path)} reaches {_show(top)} again at "
+                f"tied.untie: the container at {where(path)} reaches {where(top)} again at "
                 f"{q} (a reference back up the graph), so a copy of it would copy the model around it. "
                 f"Untie the arrays inside it instead (tied.untie(tree, {path!r} + '.weight'), say)."
             )
@@ -432,7 +269,7 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     leaves, gdef = flatten(tree)
     places = Places(gdef)
     path = places.resolve(path, who="tied.replace")
-    joint = None if _is_array(value) else _joint(tree, value)
+    joint = None if is_array(value) else _joint(tree, value)
     if joint is None and places.kind[path] == "array":
         new = list(leaves)
         new[places.leaf_of[path]] = value
@@ -451,7 +288,7 @@ def replace(tree: Any, path: str, value: Any) -> Any:
 
 def _not_kept(who: str, path: str, what: str) -> GraphError:
     return GraphError(
-        f"{who}: {_show(path)} did not keep what was written there: a container above it is "
+        f"{who}: {where(path)} did not keep what was written there: a container above it is "
         "made anew each time the model is walked (the flatten of a JAX pytree node builds it "
         f"from other data), so tied cannot {what} by reference. Let the pytree's flatten "
         "return the containers it stores."

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import Rng, State, View, flatten, materialize, rebuild, register
-from .._tree import Places, get, put
+from .._core import Places, Rng, State, View, flatten, get, materialize, put, rebuild, register
 
 __all__ = ["BatchNorm", "Dropout", "Conv2d", "RMSNorm", "KVCache", "mode"]
 

@@ -1,0 +1,487 @@
+"""Lifted transforms that know about ties and state: `scan`, `vmap`, `remat`.
+
+Each flattens its tied arguments once (sharing decided by the core walk), hands JAX the
+unique arrays, rebuilds the graph inside the traced function, and reads back what that
+function wrote into the rebuilt copy (new values at existing places: state cells written,
+a parameter replaced). Those writes leave the JAX transform as outputs and are written
+into the caller's own objects afterwards, the way `tied.jit` writes back; under an
+enclosing `tied.jit` or `tied.grad` the "caller's objects" are that transform's copy, which
+it writes back in turn. A write that has no meaning after the transform (state written
+into an argument every example of `vmap` shares) is a `GraphError`, never dropped.
+
+`scan` runs a `Stack`'s members in order: stacked arrays are the ``xs`` of
+`jax.lax.scan`, broadcast arrays go through the carry (so a broadcast state cell is
+updated at every step in order, and the gradient of a broadcast parameter accumulates
+over the steps), and each step's writes come out as ``ys`` (stacked) or in the carry
+(broadcast).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._core import (
+    GraphDef,
+    GraphError,
+    first_difference,
+    flatten,
+    rebuild,
+    write_back,
+)
+from .grad import is_total, mark_total
+from .stack import Stack, layout
+
+__all__ = ["scan", "vmap", "remat"]
+
+
+# ---------------------------------------------------------------- shared steps
+
+
+def _name(path: str) -> str:
+    return path or "<root>"
+
+
+def _read_writes(who: str, gdef: GraphDef, given: list, copy: Any, name: Callable[[str], str]) -> list[int]:
+    """The unique arrays ``fn`` put at existing places of ``copy`` (rebuilt from ``given``);
+    a change of structure is a `GraphError` naming the first difference."""
+    after_leaves, after = flatten(copy)
+    if after != gdef:
+        path, how = first_difference(gdef, after)
+        raise GraphError(
+            f"{how}. {who}: the function changed the structure of an argument (a tie cut, an "
+            "attribute added or removed, a static changed), which cannot be carried out of the "
+            "transform; nothing was written into your objects. Write new values only into "
+            "existing places (a tied.State's .value), or change the model outside.",
+            path,
+            name=name,
+        )
+    return after_leaves, [q for q, (a, b) in enumerate(zip(after_leaves, given)) if a is not b]
+
+
+def _write_back(root: Any, gdef: GraphDef, leaves: list, written: list, values: list, who: str) -> None:
+    """Write ``values`` at every place of the unique arrays ``written`` of ``root`` (whose
+    flatten gave ``leaves`` and ``gdef``), as `tied.jit` writes back."""
+    if not written:
+        return
+    write_back(root, gdef, tuple(written), values, who, leaves)
+
+
+# ---------------------------------------------------------------- scan
+
+
+def _stacks(stack: Any) -> list[Stack]:
+    if isinstance(stack, Stack):
+        return [stack]
+    if isinstance(stack, (tuple, list)) and stack and all(isinstance(s, Stack) for s in stack):
+        return list(stack)
+    raise TypeError(
+        f"tied.scan(f, init, stack, xs): stack must be a tied.Stack (or a tuple or list of "
+        f"Stacks of one length), got {type(stack).__name__}. Make one with tied.stack(members)."
+    )
+
+
+def _stacked_flags(stacks: list[Stack], leaves: list, who: str) -> list[bool]:
+    """Per unique array of the stacks together, whether it is stacked (one slice per member)."""
+    flags: dict[int, bool] = {}
+    for s in stacks:
+        s_leaves, s_gdef, s_flags = layout(s)
+        for q, (x, f) in enumerate(zip(s_leaves, s_flags)):
+            if flags.setdefault(id(x), f) != f:
+                raise ValueError(
+                    f"{who}: the array at .member{s_gdef.leaf_paths()[q][0]} of one Stack is stacked "
+                    "in one Stack and broadcast in another; stack each array in one Stack only."
+                )
+    return [flags[id(x)] for x in leaves]
+
+
+def _check_xs(xs: Any, n: int) -> None:
+    for path, x in jax.tree_util.tree_leaves_with_path(xs):
+        shape = getattr(x, "shape", ())
+        if not shape or shape[0] != n:
+            where = "xs" + jax.tree_util.keystr(path)
+            found = f"leading axis {shape[0]}" if shape else "no axis (a scalar)"
+            raise ValueError(
+                f"tied.scan: {where} has {found}, but the stack has {n} members: xs gives one "
+                "slice per member (its leading axis is the number of members)."
+            )
+
+
+def scan(
+    f: Callable, init: Any, stack: Any, xs: Any = None, *, reverse: bool = False, unroll: int | bool = 1
+) -> tuple[Any, Any]:
+    """Run ``f(carry, layer, x)`` once per member of a `Stack`, in one compiled body.
+
+    Equal to the unrolled loop ``for i, layer in enumerate(tied.unstack(stack)):
+    carry, y = f(carry, layer, x[i])`` in the carry, the ``ys``, gradients, state
+    writes and random draws: ``layer`` holds slice ``i`` of every stacked array
+    and the broadcast objects (a rebuilt copy, as `tied.grad` hands its loss one).
+    A stacked state cell written at step ``i`` gets slice ``i`` written; a
+    broadcast one (one BatchNorm or one `tied.Rng` for every layer) is updated at
+    every step in order, through the carry. The writes reach your objects after
+    the scan (eagerly, or the copy of an enclosing `tied.jit` or `tied.grad`,
+    which writes them back in turn). Under `tied.grad` a broadcast parameter's
+    gradient is its total over every step and every place outside the stack.
+
+    Args:
+        f: ``(carry, layer, x) -> (carry, y)``; carry, ``x`` and ``y`` are
+            pytrees of arrays (wrap a tied graph in `tied.Graph`).
+        init: the first carry.
+        stack: a `Stack`, or a tuple or list of Stacks of one length (``layer``
+            is then the tuple or list of their members).
+        xs: a pytree of arrays with leading axis ``len(stack)``, or None.
+        reverse: run the members from last to first; ``ys[i]`` still comes from
+            member ``i``, as in `jax.lax.scan`.
+        unroll: as in `jax.lax.scan`.
+
+    Returns:
+        ``(carry, ys)``, as `jax.lax.scan` returns them.
+
+    Raises:
+        ValueError: ``xs`` whose leading axis is not the stack's length.
+        GraphError: ``f`` changed the structure of ``layer``, replaced a
+            broadcast parameter, or wrote a value of another shape.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> norm = tied.nn.LayerNorm(4)                              # one norm, every block
+        >>> keys = jax.random.split(jax.random.key(0), 3)
+        >>> blocks = tied.stack([{"d": tied.nn.Dense(4, 4, key=k), "norm": norm} for k in keys])
+        >>> def step(h, layer, x):
+        ...     return layer["norm"](layer["d"](h)), None
+        >>> h, _ = tied.scan(step, jnp.ones((2, 4)), blocks)
+        >>> g = tied.grad(lambda s: tied.scan(step, jnp.ones((2, 4)), s)[0].sum())(blocks)
+        >>> g.member["d"].weight.shape, g.member["norm"].weight.shape    # stacked, total
+        ((3, 4, 4), (4,))
+    """
+    stacks = _stacks(stack)
+    n = len(stacks[0])
+    if any(len(s) != n for s in stacks):
+        raise ValueError(
+            f"tied.scan: the stacks have lengths {[len(s) for s in stacks]}; scanning them "
+            "together needs one length."
+        )
+    _check_xs(xs, n)
+    leaves, gdef = flatten(stack)
+    stacked = _stacked_flags(stacks, leaves, "tied.scan")
+    state = gdef.state_leaves()
+    s_idx = [q for q, s in enumerate(stacked) if s]
+    b_idx = [q for q, s in enumerate(stacked) if not s]
+    learnt: dict = {}
+
+    def body(c, sl):
+        carry, b = c
+        s, x = sl
+        full: list = [None] * gdef.num_leaves
+        for q, v in zip(s_idx, s):
+            full[q] = v
+        for q, v in zip(b_idx, b):
+            full[q] = v
+        copy = rebuild(gdef, full)
+        layer = copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
+        carry, y = f(carry, layer, x)
+        after, written = _read_writes("tied.scan", gdef, full, copy, _name)
+        for q in written:
+            _check_scan_write(gdef, q, stacked[q], state[q], full[q], after[q])
+        learnt["written"] = [q for q in written if stacked[q]]
+        learnt["broadcast"] = [q for q in written if not stacked[q]]
+        return (carry, [after[q] for q in b_idx]), (y, [after[q] for q in learnt["written"]])
+
+    (carry, b_out), (ys, s_out) = jax.lax.scan(
+        body,
+        (init, [leaves[q] for q in b_idx]),
+        ([leaves[q] for q in s_idx], xs),
+        length=n,
+        reverse=reverse,
+        unroll=unroll,
+    )
+    pos = {q: k for k, q in enumerate(b_idx)}
+    written = learnt["written"] + learnt["broadcast"]
+    values = list(s_out) + [b_out[pos[q]] for q in learnt["broadcast"]]
+    _write_back(stack, gdef, leaves, written, values, "tied.scan")
+    return carry, ys
+
+
+def _check_scan_write(gdef: GraphDef, q: int, stacked: bool, state: bool, old: Any, new: Any) -> None:
+    path = "stack" + gdef.leaf_paths()[q][0]
+    if not stacked and not state:
+        raise GraphError(
+            f"{path}: tied.scan: the body replaced a broadcast parameter (one array for every "
+            "member): each step would replace it again. Replace it outside the scan, or keep "
+            "per-step values in a tied.State."
+        )
+    if getattr(new, "shape", None) != old.shape or getattr(new, "dtype", None) != old.dtype:
+        raise GraphError(
+            f"{path}: tied.scan: the body wrote a value of shape {getattr(new, 'shape', None)} and "
+            f"dtype {getattr(new, 'dtype', None)} where the member holds shape {old.shape} and "
+            f"dtype {old.dtype}; a place keeps its shape and dtype across the steps."
+        )
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def _per_arg(spec: Any, n: int, what: str) -> list:
+    if spec is None or isinstance(spec, int):
+        return [spec] * n
+    if isinstance(spec, (tuple, list)) and len(spec) == n:
+        return list(spec)
+    raise ValueError(
+        f"tied.vmap: {what} must be an int, None, or a tuple with one entry per positional "
+        f"argument ({n}), got {spec!r}."
+    )
+
+
+def _leaf_axes(args: tuple, axes: list, leaves: list, gdef: GraphDef) -> list:
+    """The mapped axis (or None) of each unique array of the arguments: a `Stack` mapped on
+    axis 0 maps its stacked arrays and leaves its broadcast objects unmapped."""
+    found: dict[int, Any] = {}
+    for a, ax in zip(args, axes):
+        if ax is not None and not isinstance(ax, int):
+            raise ValueError(f"tied.vmap: in_axes entries are ints or None, got {ax!r}.")
+        if isinstance(a, Stack) and ax is not None:
+            if ax != 0:
+                raise ValueError(f"tied.vmap: a Stack is mapped over its members (axis 0), got axis {ax}.")
+            a_leaves, _, flags = layout(a)
+            pairs = [(x, 0 if f else None) for x, f in zip(a_leaves, flags)]
+        else:
+            a_leaves, a_gdef = flatten(a)
+            if ax is not None and any(p.type is Stack for p in a_gdef.walk_places(paths=False)):
+                raise ValueError(
+                    "tied.vmap: an argument mapped on an axis holds a tied.Stack below its root, whose "
+                    "broadcast objects have no member axis. Pass the Stack as its own argument "
+                    "(in_axes=0 maps its members and shares its broadcast objects)."
+                )
+            pairs = [(x, ax) for x in a_leaves]
+        for x, v in pairs:
+            if found.setdefault(id(x), v) != v:
+                raise ValueError(
+                    f"tied.vmap: the array at {_arg_path(gdef, leaves, x)} is mapped in one argument "
+                    f"and not (or on another axis) in another: one array has one in_axes."
+                )
+    return [found[id(x)] for x in leaves]
+
+
+def _arg_path(gdef: GraphDef, leaves: list, x: Any) -> str:
+    q = next(i for i, y in enumerate(leaves) if y is x)
+    path = gdef.leaf_paths()[q][0]
+    return "args" + path if path else "<root>"
+
+
+def vmap(
+    f: Callable,
+    in_axes: int | None | Sequence = 0,
+    out_axes: int | None | Sequence = 0,
+    *,
+    axis_size: int | None = None,
+) -> Callable:
+    """`jax.vmap` with tied graphs in the arguments: ties kept, state written per member.
+
+    ``in_axes`` has one entry per positional argument (or one for all): ``None``
+    maps nothing (the argument, a model say, is shared by every example), ``0``
+    maps a `Stack` over its members (an ensemble: its broadcast objects are
+    shared) or every array of any other argument over its leading axis (another
+    int: that axis). Ties hold across the arguments: an array held by two
+    arguments is one input. The output keeps its ties (in each example, the
+    same object at every place of a tie), with the mapped axis at ``out_axes``
+    (an int or None for all, or one per element of a tuple output).
+
+    State written into a mapped member is written into its slice of the stacked
+    array. State written into an unmapped argument, or into a broadcast object of
+    a mapped Stack, is a `GraphError` naming the place (there would be one write
+    per example), and nothing is written.
+
+    Args:
+        f: the function; positional arguments only.
+        in_axes: as above.
+        out_axes: as above.
+        axis_size: the number of examples, needed when nothing is mapped.
+
+    Returns:
+        The mapped function.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(3, 3, key=jax.random.key(0))
+        >>> model = Chain(d, Dense(d.weight, d.bias))                # weight tied
+        >>> xs = jnp.ones((5, 1, 3))
+        >>> loss = lambda m, x: m(x).sum()
+        >>> g = tied.vmap(tied.grad(loss), in_axes=(None, 0))(model, xs)   # per example
+        >>> g.layers[0].weight.shape, g.layers[0].weight is g.layers[1].weight
+        ((5, 3, 3), True)
+    """
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError("tied.vmap: pass the arguments by position (in_axes names them by position).")
+        axes = _per_arg(in_axes, len(args), "in_axes")
+        leaves, gdef = flatten(args)
+        leaf_axes = _leaf_axes(args, axes, leaves, gdef)
+        mapped = [q for q, a in enumerate(leaf_axes) if a is not None]
+        fixed = [q for q, a in enumerate(leaf_axes) if a is None]
+        learnt: dict = {}
+
+        def inner(m_leaves, f_leaves):
+            full: list = [None] * gdef.num_leaves
+            for q, v in zip(mapped, m_leaves):
+                full[q] = v
+            for q, v in zip(fixed, f_leaves):
+                full[q] = v
+            copy = rebuild(gdef, full)
+            # a mapped Stack is handed over as one member (its slice of each stacked array)
+            out = f(
+                *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
+            )
+            after, written = _read_writes("tied.vmap", gdef, full, copy, _arg_name)
+            for q in written:
+                if leaf_axes[q] != 0:
+                    raise _unmapped_write(gdef, q, leaf_axes[q])
+            out_leaves, out_gdef = flatten(out)
+            learnt.update(
+                gdef=out_gdef,
+                written=written,
+                totals=[i for i, x in enumerate(out_leaves) if is_total(x)],
+            )
+            return _split_out(out, out_leaves, out_gdef, out_axes, learnt), [after[q] for q in written]
+
+        out_spec = out_axes if out_axes is None or isinstance(out_axes, int) else tuple(out_axes)
+        parts, new = jax.vmap(
+            inner, in_axes=([leaf_axes[q] for q in mapped], None), out_axes=(out_spec, 0), axis_size=axis_size
+        )([leaves[q] for q in mapped], [leaves[q] for q in fixed])
+        out_leaves = _join_out(parts, learnt)
+        for i in learnt["totals"]:
+            mark_total(out_leaves[i])
+        _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap")
+        return rebuild(learnt["gdef"], out_leaves)
+
+    return wrapped
+
+
+def _arg_name(path: str) -> str:
+    return "args" + path if path else "<root>"
+
+
+def _unmapped_write(gdef: GraphDef, q: int, axis: Any) -> GraphError:
+    where = _arg_name(gdef.leaf_paths()[q][0])
+    if axis is None:
+        return GraphError(
+            f"{where}: tied.vmap: the function wrote state into an object every example shares "
+            "(an argument with in_axes=None, or a broadcast object of a mapped Stack): there "
+            "would be one write per example for one place. Nothing was written. Give each "
+            "member its own state (stack it), or write it outside tied.vmap."
+        )
+    return GraphError(
+        f"{where}: tied.vmap: the function wrote into an array mapped on axis {axis}; state "
+        "writes are carried out on axis 0 only. Nothing was written."
+    )
+
+
+def _split_out(out: Any, out_leaves: list, out_gdef: GraphDef, out_axes: Any, learnt: dict) -> Any:
+    """The output arrays as JAX's ``out_axes`` reads them: one list, or (for per-element
+    axes of a tuple output) one list per element, each array in the element where its
+    first place is."""
+    if out_axes is None or isinstance(out_axes, int):
+        learnt["order"] = None
+        return out_leaves
+    if not isinstance(out, tuple) or len(out) != len(out_axes):
+        raise ValueError(
+            f"tied.vmap: out_axes {out_axes!r} has one entry per element of a tuple output, but "
+            f"the function returned {type(out).__name__}."
+        )
+    element = [None] * len(out_leaves)
+    for path, q in out_gdef.place_leaves():
+        if element[q] is None:
+            element[q] = next(i for i in range(len(out)) if path.startswith(f"[{i}]"))
+    groups: list[list] = [[] for _ in out]
+    order = []
+    for q, e in enumerate(element):
+        order.append((e, len(groups[e])))
+        groups[e].append(out_leaves[q])
+    learnt["order"] = order
+    return tuple(groups)
+
+
+def _join_out(parts: Any, learnt: dict) -> list:
+    order = learnt["order"]
+    if order is None:
+        return list(parts)
+    return [parts[e][k] for e, k in order]
+
+
+# ---------------------------------------------------------------- remat
+
+
+def remat(
+    f: Callable,
+    *,
+    policy: Callable | None = None,
+    prevent_cse: bool = True,
+    static_argnums: int | Sequence[int] = (),
+) -> Callable:
+    """`jax.checkpoint` with tied graphs in the arguments: recompute in the backward pass.
+
+    Gives the same values, gradients and state writes as ``f`` (state written
+    inside is carried out of the checkpointed function and written into the
+    arguments afterwards); the jaxpr holds JAX's remat primitive, so activations
+    inside ``f`` are recomputed rather than stored (as ``policy`` says).
+
+    Args:
+        f: the function; its arguments and output may be any graphs.
+        policy: a `jax.checkpoint_policies` policy, as in `jax.checkpoint`.
+        prevent_cse: as in `jax.checkpoint`.
+        static_argnums: positional arguments passed as they are (not traced).
+
+    Returns:
+        The rematerialised function.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> model, x = Chain(d, Dense(d.weight, d.bias)), jnp.ones((1, 2))
+        >>> block = tied.remat(lambda m, x: m(x))
+        >>> g = tied.grad(lambda m: block(m, x).sum())(model)
+        >>> g.layers[0].weight is g.layers[1].weight
+        True
+    """
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        n = len(args)
+        static = {i % n: args[i] for i in nums if -n <= i < n}
+        root = (tuple(None if i in static else a for i, a in enumerate(args)), kwargs)
+        leaves, gdef = flatten(root)
+        learnt: dict = {}
+
+        def inner(given):
+            copy = rebuild(gdef, given)
+            call_args = [static.get(i, a) for i, a in enumerate(copy[0])]
+            out = f(*call_args, **copy[1])
+            after, written = _read_writes("tied.remat", gdef, list(given), copy, _remat_name)
+            out_leaves, out_gdef = flatten(out)
+            learnt.update(
+                gdef=out_gdef, written=written, totals=[i for i, x in enumerate(out_leaves) if is_total(x)]
+            )
+            return out_leaves, [after[q] for q in written]
+
+        out_leaves, new = jax.checkpoint(inner, prevent_cse=prevent_cse, policy=policy)(list(leaves))
+        for i in learnt["totals"]:
+            mark_total(out_leaves[i])
+        _write_back(root, gdef, leaves, learnt["written"], list(new), "tied.remat")
+        return rebuild(learnt["gdef"], out_leaves)
+
+    return wrapped
+
+
+def _remat_name(path: str) -> str:
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    if path.startswith("[1]"):
+        return "kwargs" + path[3:]
+    return _name(path)
