@@ -14,13 +14,14 @@ from . import nn, optim
 from ._checkpoint import CheckpointError, load, load_metadata, save
 from ._classify import register_state
 from ._grad import accumulate, grad, is_param, value_and_grad
-from ._graph import GraphDef, GraphError, flatten, is_state, register, ties, unflatten
+from ._graph import GraphDef, GraphError, flatten, is_state, ties, unflatten
 from ._implicit import Grads, Params, gradient, params
 from ._inspect import param_count, print_summary, render_dot, summary, to_dot
 from ._jit import Graph, block_until_ready, jit
 from ._live import lock as live_lock
 from ._manager import CheckpointManager
 from ._map import map  # noqa: A004 - tied.map, like jax.tree_util.tree_map
+from ._repr import register, tree_repr
 from ._sharding import DataParallel, data_parallel, device_put, sharding_tree
 from ._state import Rng, State
 from ._surgery import PathError, replace, tie, untie
@@ -73,6 +74,7 @@ __all__ = [
     "ties",
     "to_dot",
     "transpose",
+    "tree_repr",
     "under",
     "unflatten",
     "untie",
