@@ -85,6 +85,10 @@ def browser():
         shutil.rmtree(profile, ignore_errors=True)
 
 
+def _loaded(driver) -> None:
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
 def _errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -117,7 +121,9 @@ def test_every_page_loads_with_no_console_error(site, browser):
     found = {}
     for page in pages:
         browser.get(page.as_uri())
-        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        WebDriverWait(browser, 30).until(
+            lambda d: d.execute_script("return document.readyState") == "complete"
+        )
         errors = _errors(browser)
         if errors:
             found[str(page.relative_to(site))] = errors
@@ -132,7 +138,9 @@ def test_screenshots_of_the_home_page_and_an_api_page(site, browser):
     for name, page, anchor, height in shots:
         browser.set_window_size(1280, height)
         browser.get((site / page).as_uri())
-        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        WebDriverWait(browser, 30).until(
+            lambda d: d.execute_script("return document.readyState") == "complete"
+        )
         if anchor:
             browser.execute_script(f"document.querySelector('article {anchor}').scrollIntoView()")
         path = SCREENSHOTS / name
@@ -143,7 +151,7 @@ def test_screenshots_of_the_home_page_and_an_api_page(site, browser):
 
 def test_the_pictures_load_and_parameter_names_stay_whole(site, browser):
     browser.get((site / "index.html").as_uri())
-    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    _loaded(browser)
     images = browser.execute_script(
         "return Array.from(document.querySelectorAll('article img'))"
         ".map(i => [i.getAttribute('src'), i.naturalWidth, i.getBoundingClientRect().width])"

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from ._explain import enabled as _explaining
+from ._explain import explain as _explain
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
 from ._sharding import _describe_sharding, _same_layout, leaf_shardings
@@ -295,6 +297,7 @@ class Jitted:
                 "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
                 "pass a hashable value (a tuple instead of a list), or make it a traced argument."
             ) from None
+        fresh = False
         if entry is None:
             with self._lock:
                 entry = self._compiled.get(key)
@@ -302,6 +305,9 @@ class Jitted:
                     entry = self._compiled[key] = self._compile(
                         key, gdef, leaves, len(args), tuple(dyn_kwargs)
                     )
+                    fresh = True
+        if _explaining():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles (src/tied/_explain.py)
+            _explain(self, key, leaves, fresh)
         return root, leaves, gdef, entry
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
@@ -329,6 +335,30 @@ class Jitted:
         for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
             mark_total(out_leaves[i])
         return _unflatten(out.graphdef, out_leaves)
+
+    def cache_size(self) -> int:
+        """How many compiled versions this function holds, as ``jax.jit(f)._cache_size()`` counts
+        them: one per input structure (ties and static fields included) and static arguments, times
+        the shapes and dtypes each was called with. ``JAX_EXPLAIN_CACHE_MISSES=1`` logs why each
+        new one was made (docs/api/jit.md).
+
+        Returns:
+            The number of compiled versions.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, tied
+            >>> from tied.nn import Chain, Dense
+            >>> d = Dense(2, 2, key=jax.random.key(0))
+            >>> f = tied.jit(lambda m, x: m(x).sum())
+            >>> _ = f(Chain(d, d), jnp.ones((1, 2))), f(Chain(d, d), jnp.ones((1, 2)))
+            >>> f.cache_size()                                  # the same structure: compiled once
+            1
+            >>> _ = f(Chain(d, Dense(d.weight, d.bias)), jnp.ones((1, 2)))   # another tie pattern
+            >>> _ = f(Chain(d, d), jnp.ones((5, 2)))            # another shape
+            >>> f.cache_size()
+            3
+        """
+        return sum(entry.fn._cache_size() for entry in list(self._compiled.values()))
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
