@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -141,8 +142,11 @@ def test_screenshots_of_the_home_page_and_an_api_page(site, browser):
         WebDriverWait(browser, 30).until(
             lambda d: d.execute_script("return document.readyState") == "complete"
         )
-        if anchor:
-            browser.execute_script(f"document.querySelector('article {anchor}').scrollIntoView()")
+        if anchor:  # the table's header row just under the page's header bar, once it has settled
+            browser.execute_script(
+                f"document.querySelector('article {anchor}').scrollIntoView(); window.scrollBy(0, -120)"
+            )
+            time.sleep(1.0)  # the header's title slides to the page's title when scrolled
         path = SCREENSHOTS / name
         assert browser.save_screenshot(str(path))
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -1,7 +1,8 @@
 """mkdocs hook: the pictures of DAGs, drawn by `tied.to_dot` and rendered by Graphviz at build time.
 
 ``seed_dag.svg`` (the home page: the seed example, a Chain whose second Dense holds the first one's
-arrays) and ``demo_dag.svg`` (the demo page: the demo's transformer) are made from the models
+arrays) and ``demo_dag.svg`` (the demo page: the demo's transformer, its arrays labelled with
+dtype and shape only so that it fits the page) are made from the models
 themselves on every build, so the pictures cannot drift from what `tied` draws. They are added to
 the site as generated files (nothing is written into docs/). Without Graphviz's ``dot`` each is a
 placeholder saying so (``make docs`` installs Graphviz where it can).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import html
 import logging
+import re
 import shutil
 import subprocess
 
@@ -39,10 +41,12 @@ def _demo():
     return CharTransformer(len(set(load_corpus())), key=jax.random.key(0))
 
 
-def _svg(model, name: str) -> str:
+def _svg(model, name: str, short: bool = False) -> str:
     import tied
 
     dot = tied.to_dot(model)
+    if short:  # an array's label without its path (the edges into it name the fields): narrower
+        dot = re.sub(r'label="([^"\\]*)\\n[^"]*", shape=ellipse', r'label="\1", shape=ellipse', dot)
     exe = shutil.which("dot")
     if exe is None:
         log.info("dags: Graphviz's dot is not installed; %s is a placeholder", name)
@@ -56,6 +60,6 @@ def _svg(model, name: str) -> str:
 
 
 def on_files(files, config):
-    for name, make in (("seed_dag.svg", _seed), ("demo_dag.svg", _demo)):
-        files.append(File.generated(config, name, content=_svg(make(), name)))
+    for name, make, short in (("seed_dag.svg", _seed, False), ("demo_dag.svg", _demo, True)):
+        files.append(File.generated(config, name, content=_svg(make(), name, short)))
     return files
