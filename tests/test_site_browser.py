@@ -96,8 +96,15 @@ def _errors(driver) -> list[str]:
 
 def test_search_works_from_disk(site, browser):
     browser.get((site / "index.html").as_uri())
-    _errors(browser)  # the log so far belongs to the page's load, checked below
+    load_errors = _errors(browser)  # reading the log empties it; every page's load is checked below
     box = browser.find_element(By.CSS_SELECTOR, "input.md-search__input")  # in the header, 1280 wide
+    try:  # Material shows the box once its search worker has started
+        WebDriverWait(browser, 30).until(lambda d: box.is_displayed())
+    except TimeoutException:
+        pytest.fail(
+            "the search box is still hidden 30 s after the page loaded from file://: the search never "
+            f"initialised; console errors: {load_errors + _errors(browser)}"
+        )
     box.click()
     box.send_keys("donate")
     meta = browser.find_element(By.CSS_SELECTOR, ".md-search-result__meta")
@@ -108,7 +115,7 @@ def test_search_works_from_disk(site, browser):
     except TimeoutException:
         pytest.fail(
             f"no search results for 'donate' from file:// after 30 s; the search says {meta.text!r}; "
-            f"console errors: {_errors(browser)}"
+            f"console errors: {load_errors + _errors(browser)}"
         )
     results = browser.find_elements(By.CSS_SELECTOR, ".md-search-result__item")
     assert re.search(r"\d+ matching document", meta.text), meta.text
