@@ -24,7 +24,7 @@ import jax
 from ._graph import GraphDef
 from ._writeback import place_name
 
-__all__ = ["enabled", "explain"]
+__all__ = ["cache_size", "enabled", "explain"]
 
 log = logging.getLogger("tied.jit")
 
@@ -32,6 +32,31 @@ log = logging.getLogger("tied.jit")
 # key of the call before (what a new entry is compared with).
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SHOWN = 3  # arrays named in one message
+
+
+def cache_size(self: Any) -> int:
+    """How many compiled versions this `tied.jit` function holds, as ``jax.jit(f)._cache_size()``
+    counts them: one per input structure (ties and static fields included) and static arguments,
+    times the shapes and dtypes each was called with. ``JAX_EXPLAIN_CACHE_MISSES=1`` logs why each
+    new one was made (docs/api/jit.md). It is ``Jitted.cache_size``.
+
+    Returns:
+        The number of compiled versions.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, tied
+        >>> from tied.nn import Chain, Dense
+        >>> d = Dense(2, 2, key=jax.random.key(0))
+        >>> f = tied.jit(lambda m, x: m(x).sum())
+        >>> _ = f(Chain(d, d), jnp.ones((1, 2))), f(Chain(d, d), jnp.ones((1, 2)))
+        >>> f.cache_size()                                  # the same structure: compiled once
+        1
+        >>> _ = f(Chain(d, Dense(d.weight, d.bias)), jnp.ones((1, 2)))   # another tie pattern
+        >>> _ = f(Chain(d, d), jnp.ones((5, 2)))            # another shape
+        >>> f.cache_size()
+        3
+    """
+    return sum(entry.fn._cache_size() for entry in list(self._compiled.values()))
 
 
 def enabled() -> bool:

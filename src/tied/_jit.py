@@ -12,8 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from ._explain import enabled as _explaining
-from ._explain import explain as _explain
+from . import _explain
 from ._grad import is_total, mark_total
 from ._graph import GraphDef, GraphError, _unflatten, flatten, flatten_with, plan_cache
 from ._sharding import _describe_sharding, _same_layout, leaf_shardings
@@ -306,8 +305,8 @@ class Jitted:
                         key, gdef, leaves, len(args), tuple(dyn_kwargs)
                     )
                     fresh = True
-        if _explaining():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles (src/tied/_explain.py)
-            _explain(self, key, leaves, fresh)
+        if _explain.enabled():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles
+            _explain.explain(self, key, leaves, fresh)
         return root, leaves, gdef, entry
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
@@ -336,29 +335,7 @@ class Jitted:
             mark_total(out_leaves[i])
         return _unflatten(out.graphdef, out_leaves)
 
-    def cache_size(self) -> int:
-        """How many compiled versions this function holds, as ``jax.jit(f)._cache_size()`` counts
-        them: one per input structure (ties and static fields included) and static arguments, times
-        the shapes and dtypes each was called with. ``JAX_EXPLAIN_CACHE_MISSES=1`` logs why each
-        new one was made (docs/api/jit.md).
-
-        Returns:
-            The number of compiled versions.
-
-        Examples:
-            >>> import jax, jax.numpy as jnp, tied
-            >>> from tied.nn import Chain, Dense
-            >>> d = Dense(2, 2, key=jax.random.key(0))
-            >>> f = tied.jit(lambda m, x: m(x).sum())
-            >>> _ = f(Chain(d, d), jnp.ones((1, 2))), f(Chain(d, d), jnp.ones((1, 2)))
-            >>> f.cache_size()                                  # the same structure: compiled once
-            1
-            >>> _ = f(Chain(d, Dense(d.weight, d.bias)), jnp.ones((1, 2)))   # another tie pattern
-            >>> _ = f(Chain(d, d), jnp.ones((5, 2)))            # another shape
-            >>> f.cache_size()
-            3
-        """
-        return sum(entry.fn._cache_size() for entry in list(self._compiled.values()))
+    cache_size = _explain.cache_size  # the number of compiled versions (src/tied/_explain.py)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
