@@ -50,16 +50,17 @@ demo: $(VENV)/.demo
 test: $(VENV)/.base
 	$(call SYSTEM_PACKAGE,dot,graphviz,the docs draw the seed example's DAG)
 	$(call SYSTEM_PACKAGE,chromedriver,chromium chromium-driver,tests/test_site_browser.py drives a headless Chromium)
-	$(PY) -m ruff check src tests examples benchmarks
-	$(PY) -m ruff format --check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples benchmarks docs/_hooks
+	$(PY) -m ruff format --check src tests examples benchmarks docs/_hooks
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
-# The site alone: built, checked from disk, then opened in a headless Chromium (search, every page's console).
+# The site alone: built, checked from disk, then opened in a headless Chromium (search, every page's console);
+# its screenshots go to docs/screenshots/ (committed: look at them when the site's look changes).
 test-site: $(VENV)/.base
 	$(call SYSTEM_PACKAGE,dot,graphviz,the docs draw the seed example's DAG)
 	$(call SYSTEM_PACKAGE,chromedriver,chromium chromium-driver,tests/test_site_browser.py drives a headless Chromium)
-	$(PY) -m pytest tests/test_site.py tests/test_site_browser.py
+	TIED_SCREENSHOTS=docs/screenshots $(PY) -m pytest tests/test_site.py tests/test_site_browser.py
 
 # The lowest declared versions, in a venv of its own (.venv-min, made anew when pyproject.toml changes):
 # every direct dependency (pyproject's dependencies and the test extra) pinned to its `>=` bound (an `==`

@@ -4,8 +4,9 @@ A headless Chromium (Debian's ``chromium`` and ``chromium-driver``; ``make test`
 where missing) opens ``site/index.html`` as a reader who downloaded the site would: search
 must initialise and find "donate", and every page must load with nothing in the browser
 console at level error (a script or stylesheet fetched from the web fails here, as it would
-for an offline reader). It also takes screenshots of the home page and one API page into
-``docs/screenshots/`` (committed, to be looked at when the site's look changes).
+for an offline reader). It also takes screenshots of the home page and one API page: into
+the folder ``TIED_SCREENSHOTS`` names (``make test-site`` sets ``docs/screenshots``, where they are
+committed, to be looked at when the site's look changes), else into pytest's temporary folder.
 
 Skipped, with the reason, only when the browser, its driver or selenium is not installed.
 """
@@ -36,7 +37,6 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SCREENSHOTS = ROOT / "docs" / "screenshots"
 # Chromium as root in a container with no network: no sandbox, no GPU, nothing fetched in the background.
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -138,10 +138,11 @@ def test_every_page_loads_with_no_console_error(site, browser):
     assert found == {}, f"console errors on {len(found)} of {len(pages)} pages: {found}"
 
 
-def test_screenshots_of_the_home_page_and_an_api_page(site, browser):
+def test_screenshots_of_the_home_page_and_an_api_page(site, browser, tmp_path):
     """The pictures a reviewer looks at (docs/screenshots/), 1280 wide: the home page from its top,
     and the jit page at its first parameter table (names must not break mid-word)."""
-    SCREENSHOTS.mkdir(exist_ok=True)
+    folder = Path(os.environ.get("TIED_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
     shots = (("home.png", "index.html", None, 2200), ("api_jit.png", "api/jit.html", "table", 1000))
     for name, page, anchor, height in shots:
         browser.set_window_size(1280, height)
@@ -154,7 +155,7 @@ def test_screenshots_of_the_home_page_and_an_api_page(site, browser):
                 f"document.querySelector('article {anchor}').scrollIntoView(); window.scrollBy(0, -120)"
             )
             time.sleep(1.0)  # the header's title slides to the page's title when scrolled
-        path = SCREENSHOTS / name
+        path = folder / name
         assert browser.save_screenshot(str(path))
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     browser.set_window_size(1280, 1000)

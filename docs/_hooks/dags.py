@@ -50,7 +50,7 @@ def _svg(model, name: str, short: bool = False) -> str:
     exe = shutil.which("dot")
     if exe is None:
         log.info("dags: Graphviz's dot is not installed; %s is a placeholder", name)
-        text = html.escape("Graphviz's dot was not installed when this site was built (make docs installs it)")
+        text = html.escape("Graphviz's dot was not installed when the site was built (make docs installs it)")
         return (
             '<svg xmlns="http://www.w3.org/2000/svg" width="640" height="40">'
             f'<text x="8" y="24" font-family="sans-serif" font-size="13">{text}</text></svg>'
