@@ -24,7 +24,6 @@ from ._core import (
     is_state,
     live_lock,
     materialize,
-    register,
     register_state,
     ties,
     transpose,
@@ -59,11 +58,13 @@ from ._tree import (
     map,  # noqa: A004 - tied.map, like jax.tree_util.tree_map
     param_count,
     print_summary,
+    register,
     render_dot,
     replace,
     summary,
     tie,
     to_dot,
+    tree_repr,
     untie,
 )
 
@@ -118,6 +119,7 @@ __all__ = [
     "ties",
     "to_dot",
     "transpose",
+    "tree_repr",
     "under",
     "unflatten",
     "unstack",

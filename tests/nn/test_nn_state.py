@@ -129,7 +129,7 @@ def test_batchnorm_state_is_never_a_parameter():
     assert tied.param_count(model) == 12 + 6
     g = tied.grad(lambda m, x: (m(x) ** 2).sum())(model, jnp.ones((4, 3)) * jnp.arange(4.0)[:, None])
     assert g.layers[1].running_mean.value is None and g.layers[1].num_batches_tracked.value is None
-    assert repr(g.layers[1]).startswith("BatchNorm(3")  # a gradient tree shows too
+    assert repr(g.layers[1]).startswith("BatchNorm(\n  weight=f32[3],")  # a gradient tree shows too
     assert g.layers[1].weight is not None
     state = tied.optim.setup(optax.adam(1e-2), model)
     assert not any("running" in p or "num_batches" in p for p in state.paths)

@@ -133,15 +133,10 @@ class CheckpointManager:
         >>> opt = tied.optim.setup(optax.adam(1e-2), model)
         >>> with tied.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mngr:
         ...     for step in range(1, 6):
-        ...         mngr.save(step, {"model": model, "opt": opt}, {"step": step})
+        ...         _ = mngr.save(step, {"model": model, "opt": opt}, {"step": step})
         ...     mngr.wait()
         ...     print(mngr.all_steps(), mngr.latest_step(), mngr.metadata())
         ...     back = mngr.restore({"model": model, "opt": opt})
-        True
-        True
-        True
-        True
-        True
         [4, 5] 5 {'step': 5}
         >>> back["model"]["head"] is back["model"]["embed"]
         True

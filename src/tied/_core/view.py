@@ -286,7 +286,14 @@ def transpose(source: Any) -> View:
         >>> enc = tied.nn.Dense(6, 2, key=jax.random.key(0))
         >>> dec = tied.nn.Dense(tied.transpose(enc.weight))   # dec.weight is enc.weight.T, one parameter
         >>> dec
-        Dense(2 => 6, no bias, view)
+        Dense(
+          weight=View(
+            fn=<function transpose>,
+            source=f32[2,6],
+          ),
+          bias=None,
+          activation=None,
+        )
         >>> dec(enc(jnp.ones((1, 6)))).shape
         (1, 6)
     """

@@ -29,6 +29,7 @@ from .._core import (
     structure_error,
     write_back,
 )
+from . import explain
 from .grad import is_total, mark_total
 from .sharding import _describe_sharding, _same_layout, leaf_shardings
 
@@ -409,6 +410,7 @@ class Jitted:
                 "tied.jit: a static argument (static_argnums/static_argnames) is not hashable; "
                 "pass a hashable value (a tuple instead of a list), or make it a traced argument."
             ) from None
+        fresh = False
         if entry is None:
             with self._lock:
                 entry = self._compiled.get(key)
@@ -416,6 +418,9 @@ class Jitted:
                     entry = self._compiled[key] = self._compile(
                         key, gdef, leaves, len(args), tuple(dyn_kwargs)
                     )
+                    fresh = True
+        if explain.enabled():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles
+            explain.explain(self, key, leaves, fresh)
         return root, leaves, gdef, entry
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
@@ -444,6 +449,8 @@ class Jitted:
         for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
             mark_total(out_leaves[i])
         return rebuild(out.graphdef, out_leaves)
+
+    cache_size = explain.cache_size  # the number of compiled versions (src/tied/explain.py)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its

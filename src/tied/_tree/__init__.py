@@ -4,16 +4,19 @@
 
 from .inspect import param_count, print_summary, render_dot, summary, to_dot
 from .map import map
+from .repr import register, tree_repr
 from .surgery import replace, tie, untie
 
 __all__ = [
     "map",
     "param_count",
     "print_summary",
+    "register",
     "render_dot",
     "replace",
     "summary",
     "tie",
     "to_dot",
+    "tree_repr",
     "untie",
 ]

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import View, materialize, register
+from .._core import View, materialize
+from .._tree import register
 from ._stateful import KVCache, _attend_cached
 
 
@@ -24,15 +25,6 @@ def _is_arraylike(x: Any) -> bool:
 
 def _shape(x: Any) -> tuple:
     return tuple(x.shape)
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _layer_repr(layer: Any) -> str:
-    # a function shows as its name, a layer object as its repr
-    return layer.__name__ if hasattr(layer, "__name__") else repr(layer)
 
 
 @register
@@ -61,8 +53,21 @@ class Dense:
         >>> d2 = Dense(d1.weight, d1.bias)            # tied to d1 by reference
         >>> tied.ties(Chain(d1, d2))
         [('.layers[0].weight', '.layers[1].weight'), ('.layers[0].bias', '.layers[1].bias')]
-        >>> d1, d2
-        (Dense(2 => 2), Dense(2 => 2))
+        >>> Chain(d1, d2)                              # the tie, as repr shows it
+        Chain(
+          layers=[
+            Dense(
+              weight=f32[2,2],
+              bias=f32[2],
+              activation=None,
+            ),
+            Dense(
+              weight=<tied: same as .layers[0].weight>,
+              bias=<tied: same as .layers[0].bias>,
+              activation=None,
+            ),
+          ],
+        )
         >>> d1(jnp.ones((3, 2))).shape
         (3, 2)
     """
@@ -141,12 +146,6 @@ class Dense:
             y = self.activation(y)
         return y
 
-    def __repr__(self) -> str:
-        act = f", {_name(self.activation)}" if self.activation is not None else ""
-        bias = "" if self.bias is not None else ", no bias"
-        tie = ", view" if isinstance(self.weight, View) else ""
-        return f"Dense({self.in_size} => {self.out_size}{act}{bias}{tie})"
-
 
 @register
 class Chain:
@@ -168,7 +167,17 @@ class Chain:
         >>> tied.ties(c)[0]
         ('.layers[0]', '.layers[1]', '.layers[2]')
         >>> c
-        Chain(Dense(4 => 4, tanh), Dense(4 => 4, tanh), Dense(4 => 4, tanh))
+        Chain(
+          layers=[
+            Dense(
+              weight=f32[4,4],
+              bias=f32[4],
+              activation=<function tanh>,
+            ),
+            <tied: same as .layers[0]>,
+            <tied: same as .layers[0]>,
+          ],
+        )
         >>> bool(jnp.allclose(c(jnp.ones(4)), d(d(d(jnp.ones(4))))))
         True
     """
@@ -194,10 +203,6 @@ class Chain:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def __repr__(self) -> str:
-        inner = ", ".join(_layer_repr(layer) for layer in self.layers)
-        return f"Chain({inner})"
 
 
 @register
@@ -258,10 +263,6 @@ class Embedding:
         """Scores of ``h`` against every row: ``h @ weight.T`` (a tied output head)."""
         return h @ materialize(self.weight).T
 
-    def __repr__(self) -> str:
-        v, d = _shape(self.weight)
-        return f"Embedding({v}, {d})"
-
 
 @register
 class LayerNorm:
@@ -307,10 +308,6 @@ class LayerNorm:
         if self.bias is not None:
             y = y + materialize(self.bias)
         return y
-
-    def __repr__(self) -> str:
-        dim = _shape(self.weight)[0] if self.weight is not None else "?"
-        return f"LayerNorm({dim})"
 
 
 @register
@@ -390,9 +387,6 @@ class CausalSelfAttention:
         dim = self.proj.out_size
         return KVCache(max_len, self.num_heads, dim // self.num_heads, batch_shape=batch_shape, dtype=dtype)
 
-    def __repr__(self) -> str:
-        return f"CausalSelfAttention({self.proj.out_size}, heads={self.num_heads})"
-
 
 @register
 class MLP:
@@ -411,7 +405,18 @@ class MLP:
         >>> jax.eval_shape(mlp, jnp.ones((3, 16))).shape   # mlp(x), shapes only
         (3, 16)
         >>> mlp
-        MLP(16 => 64 => 16)
+        MLP(
+          fc1=Dense(
+            weight=f32[64,16],
+            bias=f32[64],
+            activation=<function gelu>,
+          ),
+          fc2=Dense(
+            weight=f32[16,64],
+            bias=f32[16],
+            activation=None,
+          ),
+        )
     """
 
     fc1: Dense
@@ -424,9 +429,6 @@ class MLP:
 
     def __call__(self, x: Any) -> Any:
         return self.fc2(self.fc1(x))
-
-    def __repr__(self) -> str:
-        return f"MLP({self.fc1.in_size} => {self.fc1.out_size} => {self.fc2.out_size})"
 
 
 @register
@@ -473,6 +475,3 @@ class TransformerBlock:
         (see `CausalSelfAttention.decode`; a cache that overflows raises, under `tied.jit` too)."""
         x = x + self.attn.decode(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
-
-    def __repr__(self) -> str:
-        return f"TransformerBlock({self.attn.proj.out_size}, heads={self.attn.num_heads})"

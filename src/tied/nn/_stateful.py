@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import Places, Rng, State, View, flatten, get, materialize, put, rebuild, register
+from .._core import Places, Rng, State, View, flatten, get, materialize, put, rebuild
+from .._tree import register
 
 __all__ = ["BatchNorm", "Dropout", "Conv2d", "RMSNorm", "KVCache", "mode"]
 
@@ -35,12 +36,6 @@ def _check_size(who: str, name: str, x: Any) -> int:
     if not _is_size(x) or x < 1:
         raise TypeError(f"{who}: {name} must be a positive int, got {x!r}.")
     return int(x)
-
-
-def _dim(x: Any, axis: int) -> Any:
-    # reprs also show gradient trees, where an array place may hold None
-    shape = getattr(x, "shape", None)
-    return "?" if shape is None or len(shape) <= axis else shape[axis]
 
 
 def _features(who: str, x: Any, n: int) -> None:
@@ -130,10 +125,6 @@ class BatchNorm:
         y = (x - mean) * jax.lax.rsqrt(var + self.eps)
         return y * materialize(self.weight) + materialize(self.bias)
 
-    def __repr__(self) -> str:
-        mode = "" if self.training else ", eval"
-        return f"BatchNorm({_dim(self.weight, 0)}{mode})"
-
 
 @register
 class Dropout:
@@ -187,10 +178,6 @@ class Dropout:
         keep = 1.0 - self.rate
         mask = jax.random.bernoulli(self.rng(), keep, x.shape)
         return jax.lax.select(mask, x / keep, jnp.zeros_like(x))
-
-    def __repr__(self) -> str:
-        mode = "" if self.training else ", eval"
-        return f"Dropout({self.rate}{mode})"
 
 
 def _pair(who: str, name: str, v: Any) -> tuple[int, int]:
@@ -315,11 +302,6 @@ class Conv2d:
             y = y + materialize(self.bias)
         return y.reshape(*lead, *y.shape[1:])
 
-    def __repr__(self) -> str:
-        kh, kw, i, o = (_dim(self.weight, a) for a in range(4))
-        bias = "" if self.bias is not None else ", no bias"
-        return f"Conv2d({i} => {o}, {kh}x{kw}, stride={self.stride}, padding={self.padding}{bias})"
-
 
 @register
 class RMSNorm:
@@ -349,9 +331,6 @@ class RMSNorm:
         w = materialize(self.weight)
         _features("RMSNorm", x, w.shape[0])
         return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps) * w
-
-    def __repr__(self) -> str:
-        return f"RMSNorm({_dim(self.weight, 0)})"
 
 
 @register
@@ -414,9 +393,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return tuple(self.keys.value.shape)[0]
-
-    def __repr__(self) -> str:
-        return f"KVCache({list(getattr(self.keys.value, 'shape', ['?']))})"
 
 
 def _overflow(bad: Any, pos: Any, seq: int, max_len: int) -> None:
