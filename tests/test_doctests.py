@@ -45,7 +45,7 @@ def test_docstring_example(test: doctest.DocTest):
 def test_the_examples_are_found():
     # A finder that silently found nothing would make every test above vacuous.
     names = {t.name for t in TESTS}
-    assert {"tied.nn._layers.Dense", "tied._core.graph.flatten", "tied.optim._update.setup"} <= names
+    assert {"tied.nn._dense.Dense", "tied._core.graph.flatten", "tied.optim._update.setup"} <= names
 
 
 # A lock object's docstring is Python's own; what tied.live_lock guards is documented in tied._core.live.

@@ -1,11 +1,11 @@
 """BatchNorm under data parallelism: 8 fake CPU devices, in a process of their own.
 
-Run by tests/test_nn_state.py as ``python -m pytest tests/multidevice/batchnorm.py``
+Run by tests/nn/test_nn_state.py as ``python -m pytest tests/multidevice/batchnorm.py``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``. Three Adam steps with a
 BatchNorm used at two places, the batch split over 8 devices by `tied.data_parallel`:
 the batch mean and variance are over the global batch, so the running statistics (and
 the parameters) equal those of the same steps on one device (themselves checked
-against numpy and PyTorch in tests/test_nn_state.py).
+against numpy and PyTorch in tests/nn/test_nn_state.py).
 """
 
 import os

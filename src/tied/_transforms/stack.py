@@ -151,10 +151,10 @@ def _members_differ(i: int, g0: GraphDef, gi: GraphDef) -> ValueError:
 
 def _joint(members: list) -> tuple[dict, list]:
     """Where each object of the members sits: ``at[i][path]`` is the (leaf?, index) in a
-    joint flatten of all members, and ``where[(leaf?, index)]`` every (member, path) of it."""
+    joint flatten of all members, and ``seats[(leaf?, index)]`` every (member, path) of it."""
     _, joint = flatten(tuple(members))
     at: list[dict] = [{} for _ in members]
-    where: dict = {}
+    seats: dict = {}
     member = -1
     prefix = 0
     for p in _places(joint):
@@ -165,11 +165,11 @@ def _joint(members: list) -> tuple[dict, list]:
         rel = p.path[prefix:]
         obj = (p.kind == "array", p.index)
         at[member][rel] = obj
-        where.setdefault(obj, set()).add((member, rel))
-    return at, where
+        seats.setdefault(obj, set()).add((member, rel))
+    return at, seats
 
 
-def _classify(is_leaf: bool, paths: list[str], at: list[dict], where: dict) -> bool:
+def _classify(is_leaf: bool, paths: list[str], at: list[dict], seats: dict) -> bool:
     """Whether the object at ``paths`` (its places in one member) is stacked (a distinct
     object per member) or broadcast (one object in every member); anything else is a
     tie between some members, or across places, that neither can keep."""
@@ -178,11 +178,11 @@ def _classify(is_leaf: bool, paths: list[str], at: list[dict], where: dict) -> b
     what = "array" if is_leaf else "object"
     if all(x == ids[0] for x in ids):
         expected = {(i, p) for i in range(n) for p in paths}
-        actual, broadcast = where[ids[0]], True
+        actual, broadcast = seats[ids[0]], True
     elif len(set(ids)) == n:
         for i in range(n):
             expected = {(i, p) for p in paths}
-            actual = where[ids[i]]
+            actual = seats[ids[i]]
             if actual != expected:
                 break
         broadcast = False
@@ -252,7 +252,7 @@ def stack(members: Iterable) -> Stack:
     for i in range(1, len(ms)):
         if flat[i][1] != g0:
             raise _members_differ(i, g0, flat[i][1])
-    at, where = _joint(ms)
+    at, seats = _joint(ms)
     places = _places(g0)
     leaf_paths: list[list[str]] = [[] for _ in range(g0.num_leaves)]
     node_paths: list[list[str]] = [[] for _ in range(g0.num_nodes)]
@@ -261,8 +261,8 @@ def stack(members: Iterable) -> Stack:
             leaf_paths[p.index].append(p.path)
         elif p.kind != "static":
             node_paths[p.index].append(p.path)
-    node_stacked = [_classify(False, ps, at, where) for ps in node_paths]
-    leaf_stacked = [_classify(True, ps, at, where) for ps in leaf_paths]
+    node_stacked = [_classify(False, ps, at, seats) for ps in node_paths]
+    leaf_stacked = [_classify(True, ps, at, seats) for ps in leaf_paths]
     _cells_own_arrays(g0, places, node_stacked, leaf_stacked)
     _views_over_stacked(places, node_stacked)
     new_leaves = []
@@ -362,8 +362,8 @@ def unstack(s: Stack) -> list:
     if not node_stacked[g0_root(places)]:
         return [s.member] * s.n
     outer = _outer_broadcast(gdef, node_stacked)
-    where = Places(gdef)
+    seats = Places(gdef)
     return [
-        _assemble(gdef, [x[i] if st else x for x, st in zip(leaves, leaf_stacked)], s.member, outer, where)
+        _assemble(gdef, [x[i] if st else x for x, st in zip(leaves, leaf_stacked)], s.member, outer, seats)
         for i in range(s.n)
     ]

@@ -29,8 +29,11 @@ Examples:
     (5, 8)
 """
 
-from ._layers import MLP, CausalSelfAttention, Chain, Dense, Embedding, LayerNorm, TransformerBlock
-from ._stateful import BatchNorm, Conv2d, Dropout, KVCache, RMSNorm, mode
+from ._attention import MLP, CausalSelfAttention, KVCache, TransformerBlock
+from ._conv import Conv2d
+from ._dense import Chain, Dense, Embedding
+from ._dropout import Dropout, mode
+from ._norm import BatchNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "Dense",
