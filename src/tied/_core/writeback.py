@@ -58,11 +58,11 @@ def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
     return meta or ("", "the structure changed")
 
 
-def structure_error(before: GraphDef, after: GraphDef, where: str) -> GraphError:
+def structure_error(before: GraphDef, after: GraphDef, who: str) -> GraphError:
     """The refusal of a call that changed an argument's structure, at the first difference."""
     path, how = first_difference(before, after)
     return GraphError(
-        f"{how}. {where} changed the structure of an argument "
+        f"{how}. {who} changed the structure of an argument "
         "(a tie cut, an attribute added or removed, a static changed), which cannot be "
         "carried out of a compiled function; nothing was written into your objects. Build "
         "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
