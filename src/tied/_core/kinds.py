@@ -91,6 +91,9 @@ class Kind:
     mutable = False  # mutable kinds are built empty first and filled last (cycles)
     writable = False  # a child of a live object can be replaced in place
     fresh_children = False  # `children` builds new objects (kept alive through the walk)
+    # Its children are the objects it stores, though it cannot be written in place (a tuple):
+    # a write plan may step through it, since the object at a position now is the one a walk finds.
+    stores_children = False
     value_when_static = False  # holding only statics, it is a value: one record per place
     materializes = False  # `unflatten(..., materialize=True)` replaces it by `materialize`
     fields_in_dict = False  # children are exactly the ``__dict__`` values, in order
@@ -412,6 +415,7 @@ class _DictSubclass(Kind):
 
 class _Tuple(Kind):
     name, value_when_static, sequence_keys = "tuple", True, True
+    stores_children = True
     may_be_state = False
 
     def children(self, x):
@@ -434,6 +438,7 @@ class _Tuple(Kind):
 
 class _NamedTuple(Kind):
     name, value_when_static = "namedtuple", True
+    stores_children = True
 
     def children(self, x):
         return list(x), type(x)

@@ -309,11 +309,6 @@ def _transient_error(path: str, obj: Any, action: str) -> GraphError:
 
 # ---------------------------------------------------------------- write plans
 
-# Kinds a write plan may step through: their children are the objects they store (never
-# made anew by a flatten), so the object at a position now is the object a walk would find.
-_PLAIN_STEPS = frozenset(("tuple", "namedtuple"))
-
-
 class WritePlan:
     """Where `slots` found the places of some unique arrays, as positions from the root.
 
@@ -397,7 +392,8 @@ def write_plan(model: Any, gdef: GraphDef, which: Sequence[int], *, action: str,
             node = opened[j]
             if node.twin is not None or node.twins is not None and any(t is not None for t in node.twins):
                 return out, None
-            if node.kind.name not in _PLAIN_STEPS and (not node.kind.writable or node.kind.fresh_children):
+            # a write plan steps only through kinds whose children are the objects they store
+            if not node.kind.stores_children and (not node.kind.writable or node.kind.fresh_children):
                 return out, None
             needed[j] = node
             j = node.place.parent
