@@ -133,53 +133,11 @@ def _refuse_jax_flatten(cls: type) -> None:
 
 
 def register(cls: type) -> type:
-    """Let `tied` walk instances of a plain Python class: its fields are its children.
-
-    Fields are the ``__dict__`` entries in assignment order (and the ``__slots__``
-    that are set, for a class that uses slots). Instances are rebuilt without
-    calling ``__init__`` (``object.__new__`` and the fields put back), so any
-    constructor signature works. A subclass of ``list`` or ``dict`` is walked
-    through its items and then its ``__dict__`` fields. Usable as a class
-    decorator. JAX's pytree registry, dataclasses and Equinox modules need no
-    registration.
-
-    A registered class is a `tied` node, not a JAX pytree: plain JAX functions
-    (``jax.tree_util.tree_map``, ``jax.jit``, ``jax.grad``, an optax ``init``)
-    refuse it with a `TypeError` naming the tied way (`tied.grad`, `tied.jit`,
-    `tied.map`, ``tied.Graph(model)``), since walking it leaf by leaf would cut
-    its ties.
-
-    Args:
-        cls: the class to walk.
-
-    Returns:
-        ``cls`` itself.
-
-    Raises:
-        TypeError: ``cls`` is not a class, or is a kind of object `tied` cannot
-            rebuild (a tuple subclass other than a namedtuple, a set, a deque).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, tied
-        >>> @tied.register
-        ... class Dense:
-        ...     def __init__(self, weight, bias):
-        ...         self.weight, self.bias = weight, bias
-        ...     def __call__(self, x):
-        ...         return x @ self.weight.T + self.bias
-        >>> d1 = Dense(jnp.ones((2, 2)), jnp.zeros(2))
-        >>> d2 = Dense(d1.weight, d1.bias)                      # tied by reference
-        >>> tied.ties([d1, d2])
-        [('[0].weight', '[1].weight'), ('[0].bias', '[1].bias')]
-
-        Plain JAX refuses it rather than cut the tie:
-
-        >>> try:
-        ...     jax.tree_util.tree_leaves([d1, d2])
-        ... except TypeError as e:
-        ...     print("tied.grad" in str(e), "tied.Graph(model)" in str(e))
-        True True
-    """
+    """Let `tied` walk instances of a plain Python class: its fields are its children (the
+    ``__dict__`` entries in assignment order, then the ``__slots__`` that are set; a ``list`` or
+    ``dict`` subclass's items first), rebuilt without calling ``__init__``, and make plain JAX
+    refuse it. The public `tied.register` (`_tree/repr.py`) is this plus a repr; its docstring
+    is the reference, with examples."""
     if not isinstance(cls, type):
         raise TypeError(f"tied.register expects a class, got {cls!r}.")
     name = cls.__qualname__

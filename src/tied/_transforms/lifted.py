@@ -29,7 +29,9 @@ from .._core import (
     GraphError,
     first_difference,
     flatten,
+    place_name,
     rebuild,
+    where,
     write_back,
 )
 from .grad import is_total, mark_total
@@ -39,10 +41,6 @@ __all__ = ["scan", "vmap", "remat"]
 
 
 # ---------------------------------------------------------------- shared steps
-
-
-def _name(path: str) -> str:
-    return path or "<root>"
 
 
 def _read_writes(who: str, gdef: GraphDef, given: list, copy: Any, name: Callable[[str], str]) -> list[int]:
@@ -183,7 +181,7 @@ def scan(
         copy = rebuild(gdef, full)
         layer = copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
         carry, y = f(carry, layer, x)
-        after, written = _read_writes("tied.scan", gdef, full, copy, _name)
+        after, written = _read_writes("tied.scan", gdef, full, copy, where)
         for q in written:
             _check_scan_write(gdef, q, stacked[q], state[q], full[q], after[q])
         learnt["written"] = [q for q in written if stacked[q]]
@@ -367,17 +365,21 @@ def _arg_name(path: str) -> str:
 
 
 def _unmapped_write(gdef: GraphDef, q: int, axis: Any) -> GraphError:
-    where = _arg_name(gdef.leaf_paths()[q][0])
+    path = gdef.leaf_paths()[q][0]
     if axis is None:
         return GraphError(
-            f"{where}: tied.vmap: the function wrote state into an object every example shares "
+            "tied.vmap: the function wrote state into an object every example shares "
             "(an argument with in_axes=None, or a broadcast object of a mapped Stack): there "
             "would be one write per example for one place. Nothing was written. Give each "
-            "member its own state (stack it), or write it outside tied.vmap."
+            "member its own state (stack it), or write it outside tied.vmap.",
+            path,
+            name=_arg_name,
         )
     return GraphError(
-        f"{where}: tied.vmap: the function wrote into an array mapped on axis {axis}; state "
-        "writes are carried out on axis 0 only. Nothing was written."
+        f"tied.vmap: the function wrote into an array mapped on axis {axis}; state "
+        "writes are carried out on axis 0 only. Nothing was written.",
+        path,
+        name=_arg_name,
     )
 
 
@@ -463,7 +465,7 @@ def remat(
             copy = rebuild(gdef, given)
             call_args = [static.get(i, a) for i, a in enumerate(copy[0])]
             out = f(*call_args, **copy[1])
-            after, written = _read_writes("tied.remat", gdef, list(given), copy, _remat_name)
+            after, written = _read_writes("tied.remat", gdef, list(given), copy, place_name)
             out_leaves, out_gdef = flatten(out)
             learnt.update(
                 gdef=out_gdef, written=written, totals=[i for i, x in enumerate(out_leaves) if is_total(x)]
@@ -477,11 +479,3 @@ def remat(
         return rebuild(learnt["gdef"], out_leaves)
 
     return wrapped
-
-
-def _remat_name(path: str) -> str:
-    if path.startswith("[0]"):
-        return "args" + path[3:]
-    if path.startswith("[1]"):
-        return "kwargs" + path[3:]
-    return _name(path)

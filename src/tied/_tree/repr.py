@@ -2,22 +2,25 @@
 
 ``repr(model)`` of a class given to `tied.register` (and of every `tied.nn` layer) reads the
 model through the one walk (`tied.flatten`'s `GraphDef` and `GraphDef.walk_places`), as the
-summary table does, so it marks exactly the ties the rest of the library acts on::
+summary table does, so it marks exactly the ties the rest of the library acts on. An encoder and
+a decoder that uses its weight transposed
+(``tied.tree_repr({"enc": d, "dec": Dense(tied.transpose(d.weight))})``)::
 
-    Chain(
-      layers=[
-        Dense(
-          weight=f32[2,2],
-          bias=f32[2],
-          activation=None,
+    {
+      'dec': Dense(
+        weight=View(
+          fn=<function transpose>,
+          source=f32[4,8],
         ),
-        Dense(
-          weight=<tied: same as .layers[0].weight>,
-          bias=<tied: same as .layers[0].bias>,
-          activation=None,
-        ),
-      ],
-    )
+        bias=None,
+        activation=None,
+      ),
+      'enc': Dense(
+        weight=<tied: same as ['dec'].weight.source>,
+        bias=f32[4],
+        activation=None,
+      ),
+    }
 
 One line per field; an array is its dtype and shape (``f32[2,2]``, as Equinox prints it;
 ``(numpy)`` marks a NumPy array); a later place of a shared array or node, a reference back
