@@ -309,6 +309,7 @@ def _transient_error(path: str, obj: Any, action: str) -> GraphError:
 
 # ---------------------------------------------------------------- write plans
 
+
 class WritePlan:
     """Where `slots` found the places of some unique arrays, as positions from the root.
 
