@@ -364,3 +364,30 @@ def test_graph_is_a_snapshot_so_jax_and_value_always_agree():
     jitted = float(jax.jit(lambda G: loss(G.value))(graph))
     assert jitted == pytest.approx(float(loss(graph.value)), rel=1e-6) == pytest.approx(before, rel=1e-6)
     assert graph.value.layers[0].weight is graph.value.layers[1].weight
+
+
+def test_a_nested_jit_writes_a_cell_inside_a_gradient_as_the_eager_loss_does():
+    # Found by review: the write-back's escaping-tracer check, once shared with tied.jit, took the
+    # gradient's own concrete copy of an undifferentiated cell for an object outside the trace.
+    @tied.register_state
+    class Ema:
+        def __init__(self, n):
+            self.value = jnp.zeros(n)
+
+    def fwd(m, x):
+        y = m["w"] * x
+        m["ema"].value = 0.9 * m["ema"].value + 0.1 * y  # not stop-gradiented: a traced value
+        return (y**2).sum()
+
+    def build():
+        return {"w": jnp.arange(3.0) + 1, "ema": Ema(3)}
+
+    x = jnp.ones(3)
+    eager, nested = build(), build()
+    g_ref = tied.grad(fwd)(eager, x)
+    g = tied.grad(lambda m, x: tied.jit(fwd)(m, x))(nested, x)
+    np.testing.assert_allclose(g["w"], 2 * (np.arange(3.0) + 1))  # d/dw sum((w x)^2), by hand
+    np.testing.assert_allclose(g["w"], g_ref["w"])
+    np.testing.assert_allclose(nested["ema"].value, eager["ema"].value)
+    np.testing.assert_allclose(nested["ema"].value, 0.1 * (np.arange(3.0) + 1))
+    assert not isinstance(nested["ema"].value, jax.core.Tracer)

@@ -4,7 +4,7 @@
 path of the place, ``""`` for the root, ``None`` for an error about no single place) and
 ``.reason`` (the rest of the message: what was expected, what was found, the fix). A caller that
 shows the place otherwise (`tied.jit` names ``args[0]`` where the core sees ``[0][0]``) re-raises
-with `Located.at`, never by parsing a message.
+with `Located.named`, never by parsing a message.
 """
 
 from __future__ import annotations

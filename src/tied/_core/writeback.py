@@ -87,11 +87,13 @@ def write_back(
     anything is written: writable, and, given ``inputs`` (the leaves flattened before the
     call), the arguments still of the structure and arrays the call was given, so a model
     changed while the call ran (by another thread, or a callback inside it) is refused,
-    never half-updated. Given ``inputs``, a value traced by a transform that encloses the
-    caller's objects (they are not traced themselves) is refused too: it would stay in them
-    as a dead traced value (``who`` names what wrote it; default ``action``)."""
-    if inputs is not None:
-        escaping = escaping_tracer(gdef, inputs, written, values, who or action, "nothing was written")
+    never half-updated. Given ``who`` (what wrote: "the loss"), a value traced by a transform
+    that encloses the caller's objects (they are not traced themselves) is refused too: it
+    would stay in them as a dead traced value. `tied.jit` does not ask: inside another tied
+    transform its arguments may be that transform's concrete copy (a state cell `tied.grad`
+    does not differentiate), which the enclosing transform writes back itself."""
+    if who is not None and inputs is not None:
+        escaping = escaping_tracer(gdef, inputs, written, values, who, "nothing was written")
         if escaping is not None:
             raise escaping
     with live_lock:

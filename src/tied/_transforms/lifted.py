@@ -65,7 +65,7 @@ def _write_back(root: Any, gdef: GraphDef, leaves: list, written: list, values: 
     flatten gave ``leaves`` and ``gdef``), as `tied.jit` writes back."""
     if not written:
         return
-    write_back(root, gdef, tuple(written), values, who, leaves)
+    write_back(root, gdef, tuple(written), values, who, leaves, who=who)
 
 
 # ---------------------------------------------------------------- scan
