@@ -259,7 +259,7 @@ def scaling(sizes=(10, 100, 1_000, 10_000), rounds: int = 7) -> dict:
                 tied.unflatten(gdef, leaves)
                 gc.collect(0)
                 samples.append(time.perf_counter() - t)
-            if not gdef._plans.get("flatten plan"):
+            if not gdef.memo.flatten_plan:
                 second.clear()  # planned later: the loop below finds that call
         _graph._clear_plans()
         for i in range(_plan.LARGE_PLAN_SIGHTINGS + 2):
@@ -268,7 +268,7 @@ def scaling(sizes=(10, 100, 1_000, 10_000), rounds: int = 7) -> dict:
             tied.unflatten(gdef, leaves)
             gc.collect(0)
             calls.append(time.perf_counter() - t)
-            if planned_at is None and gdef._plans.get("flatten plan"):
+            if planned_at is None and gdef.memo.flatten_plan:
                 planned_at = i  # this call's flatten compiled the plan
             if planned_at is not None and i >= planned_at + 1:
                 break
