@@ -15,7 +15,7 @@ tie is the object graph's own, and
   ``Conv1D`` weights transposed back, and a ``config.json``, so that
   ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` reads it.
 
-This file does not import ``transformers`` (``tests/test_hf.py`` checks it against
+This file does not import ``transformers`` (``tests/checkpoint/test_hf.py`` checks it against
 ``transformers`` itself); it only needs ``config.json``'s fields. Random configurations
 only: nothing is downloaded.
 
