@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--max-to-keep", type=int, default=0)  # 0: keep all
     p.add_argument("--keep-every", type=int, default=None)
     p.add_argument("--pause", type=float, default=0.0)
-    p.add_argument("--deadline", type=float, default=60.0)
+    p.add_argument("--deadline", type=float, default=240.0)
     p.add_argument("--out", default=None)
     p.add_argument("--ready", default=None)  # reader: a file made once it has opened the directory
     p.add_argument("--start-after", default=None)  # writer: wait for that file
