@@ -38,8 +38,9 @@ FORMAT = "tied"
 # 1: the single-file format before the manifest was split out (zlib CRC-32 per array);
 # 2: the same manifest, and the checksum algorithm is named by the format that stores it.
 # 3: places as a table of (parent, keystr piece) (`pack`), typed keys, state marked.
-VERSION = 3
-READS = (1, 2, 3)
+# 4: the layouts of nodes whose static data gives their arrays' meaning (a tied.Stack's stacked places).
+VERSION = 4
+READS = (1, 2, 3, 4)
 _PATHS_INLINE = 1_000_000  # past this many characters of paths, `pack` writes the place table
 _MAX_PATH_CHARS = 1 << 30  # the most characters a stored place table may unfold into
 _MAX_NDIM = 64
@@ -69,12 +70,14 @@ def keystr(path: str) -> str:
 
 class PlaceTable(NamedTuple):
     """Every place of a graph as ``[parent, keystr piece]`` (the root ``[-1, ""]``), and the places
-    (indices into it) of each array, each shared node's group and each view (with its source's)."""
+    (indices into it) of each array, each shared node's group, each view (with its source's) and
+    each node with a layout."""
 
     places: list[list]
     arrays: list[list[int]]
     shared: list[list[int]]
     views: list[tuple[list[int], int | None]]
+    layouts: list[list[int]]
 
 
 class Manifest(dict):
@@ -113,6 +116,7 @@ def pack(doc: dict) -> dict:
     size = sum(len(p) for a in doc["arrays"] for p in a["places"])
     size += sum(len(p) for g in doc["shared_nodes"] for p in g)
     size += sum(len(p) for v in doc["views"] for p in v["places"])
+    size += sum(len(p) for v in doc.get("layouts", ()) for p in v["places"])
     table = getattr(doc, "table", None)
     if table is None or size <= _PATHS_INLINE:
         return dict(doc)
@@ -129,6 +133,7 @@ def pack(doc: dict) -> dict:
         | ({} if source is None else {"source_at": source})
         for a, (at, source) in zip(doc["views"], table.views)
     ]
+    out["layouts"] = [{"layout": a["layout"], "at": at} for a, at in zip(doc["layouts"], table.layouts)]
     return out
 
 
@@ -252,6 +257,16 @@ def validate(doc: Any, where: str) -> dict:
         paths_list(v.get("places"), "a view's places")
         if "source" not in v or not (v["source"] is None or isinstance(v["source"], str)):
             raise bad("a view's source is not a path")
+    if version >= 4:
+        layouts = doc.get("layouts")
+        if not isinstance(layouts, list):
+            raise bad("'layouts' is not a list")
+        for e in layouts:
+            if not isinstance(e, dict) or "layout" not in e:
+                raise bad("a layout entry has no layout")
+            paths_list(e.get("places"), "a layout's places")
+    else:
+        doc.pop("layouts", None)  # not written before version 4: `match` says it cannot check
     if not isinstance(doc.get("user", {}), dict):
         raise bad("'user' is not an object")
     return doc
@@ -313,3 +328,8 @@ def _unpack(doc: dict, bad: Callable[[str], CheckpointError]) -> None:
         v["places"] = at(v.get("at"), "a view's 'at'")
         source = v.get("source_at")
         v["source"] = None if source is None else at([source], "a view's source")[0]
+    layouts = doc.get("layouts", [])
+    if not isinstance(layouts, list) or not all(isinstance(e, dict) for e in layouts):
+        raise bad("'layouts' is not a list of objects")
+    for e in layouts:
+        e["places"] = at(e.get("at"), "a layout's 'at'")

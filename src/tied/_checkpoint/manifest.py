@@ -8,7 +8,8 @@ about sharing lives here, so a format only moves bytes:
 * `describe(tree, metadata)` flattens a tree and returns its unique arrays and
   its manifest: for each unique array its tensor name, dtype, shape and every
   place (keystr paths); the places of each shared node; each view's places,
-  function name and source; the caller's metadata. State (the arrays below a
+  function name and source; the layout of each node whose type gives one (a
+  `tied.Stack`: its length and stacked places); the caller's metadata. State (the arrays below a
   `tied.State` or another state cell) is marked ``"state": true``; a typed key
   (``jax.random.key``) is stored as its key data, its implementation named under
   ``"key"``, and comes back as a typed key. A format adds its own fields to an
@@ -18,7 +19,7 @@ about sharing lives here, so a format only moves bytes:
   document raises `CheckpointError`, never a ``KeyError`` or ``TypeError``; a
   deep model's place table is unfolded into paths there.
 * `match(doc, like, where)` checks the manifest against ``like`` (places,
-  views, shared nodes, tied arrays, shapes, dtypes, keys, state; the first difference is
+  views, layouts, shared nodes, tied arrays, shapes, dtypes, keys, state; the first difference is
   named by path) before anything is read, and returns a `Match`: for each
   unique array of ``like`` the manifest entry to read into it.
 * `build(match, arrays)` rebuilds the tree from one array per unique array of
@@ -53,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -213,8 +215,8 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
     Returns:
         ``(leaves, manifest)``: the arrays to store, one per unique array in flatten order
         (a typed key as its key data, ``jax.random.key_data``), and a dict
-        ``{"format": "tied", "version": 3, "arrays": [...], "shared_nodes": [...],
-        "views": [...], "user": {...}}`` (a `Manifest`). ``arrays[i]``
+        ``{"format": "tied", "version": 4, "arrays": [...], "shared_nodes": [...],
+        "views": [...], "layouts": [...], "user": {...}}`` (a `Manifest`). ``arrays[i]``
         describes ``leaves[i]``: ``{"name", "dtype", "shape", "places"}``, with
         ``name`` unique (the first place's keystr, ``<root>`` for the root) and
         ``dtype`` a numpy dtype name, plus ``"key"`` (the implementation's name) for a
@@ -266,18 +268,39 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
     for v, j in zip(gdef.views(), placing.views):
         views.append({"places": list(v.paths), "fn": fn_name(v.fn), "source": v.source})
         views_at.append((placing.nodes[j], None if v.source is None else first_place.get(v.source)))
+    layouts = [(placing.nodes[j], layout) for j, layout in gdef.layouts()]
     doc = Manifest(
         format=FORMAT,
         version=VERSION,
         arrays=arrays,
         shared_nodes=[[placing.paths[t] for t in ts] for ts in shared],
         views=views,
+        layouts=[
+            {"places": [placing.paths[t] for t in ts], "layout": _plain(layout, ts, placing)}
+            for ts, layout in layouts
+        ],
         user=user,
     )
     doc.table = PlaceTable(
-        [[p, k] for p, k in zip(placing.parents, placing.pieces)], placing.arrays, shared, views_at
+        [[p, k] for p, k in zip(placing.parents, placing.pieces)],
+        placing.arrays,
+        shared,
+        views_at,
+        [ts for ts, _ in layouts],
     )
     return out, doc
+
+
+def _plain(layout: Any, ts: Sequence[int], placing: _Placing) -> Any:
+    """A node's layout (`GraphDef.layouts`) as the JSON it is stored as, so that the layout of
+    ``like`` compares equal to one read back from a file."""
+    try:
+        return json.loads(json.dumps(layout, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{keystr(placing.paths[ts[0]])}: its type's __tied_layout__ gave {layout!r}, which is not "
+            f"plain JSON data ({e}). Return dicts, lists, strings and numbers from __tied_layout__."
+        ) from None
 
 
 def _refuse_alike(arrays: list[dict]) -> None:
@@ -376,6 +399,53 @@ def _groups_differ(where: str, what: str, like_groups: list, file_groups: list) 
                     f"{where}: the sharing differs at {keystr(g[0][0])}: in like, {say(like_g, g[0])}; in "
                     f"the file, {say(file_g, g[0])}. Build `like` with the ties of the saved model."
                 )
+
+
+def _layouts_differ(where: str, doc: dict, gdef: GraphDef, placing: _Placing) -> None:
+    """Raise if a node's layout (`GraphDef.layouts`: which places of a `tied.Stack` are stacked,
+    and its length) differs between ``like`` and the file, naming the place: arrays of the same
+    shapes would otherwise be read with another meaning. A file written before layouts were
+    recorded (version 3 or earlier) cannot say; loading one into a ``like`` that has them warns."""
+    like_layouts = [(placing.nodes[j], _plain(lay, placing.nodes[j], placing)) for j, lay in gdef.layouts()]
+    if "layouts" not in doc:
+        if like_layouts:
+            warnings.warn(
+                f"{where}: written by a tied that did not record layouts (version {doc['version']}), so "
+                f"the layout of {keystr(placing.paths[like_layouts[0][0][0]])} "
+                f"({_show_layout(like_layouts[0][1])}) "
+                "is taken from like unchecked. Load it into a like built as the saved model was, then "
+                "save it again to record its layout.",
+                stacklevel=4,
+            )
+        return
+    like_ids = _ids([[placing.paths[t] for t in ts] for ts, _ in like_layouts])
+    file_ids = _ids([e["places"] for e in doc["layouts"]])
+    like_l = {p: lay for (_, lay), ids in zip(like_layouts, like_ids) for p in ids}
+    file_l = {p: e["layout"] for e, ids in zip(doc["layouts"], file_ids) for p in ids}
+    for p in sorted(set(like_l) | set(file_l)):
+        lv, fv = like_l.get(p), file_l.get(p)
+        if lv == fv:
+            continue
+        raise CheckpointError(
+            f"{where}: the layout at {keystr(p[0])} differs: like has {_show_layout(lv)}, the file has "
+            f"{_show_layout(fv)}. Arrays of the same shapes would be read with another meaning (a "
+            "broadcast array taken for a stacked one). Build `like` as the saved model was built: the "
+            "same objects shared by every member of a tied.stack, the same number of members."
+        )
+
+
+def _show_layout(layout: Any) -> str:
+    if layout is None:
+        return "no layout there"
+    if isinstance(layout, dict) and layout.get("type") == "tied.Stack":
+        stacked = layout.get("stacked")
+        shown = (
+            ", ".join(str(p) if p else "the member itself" for p in stacked)
+            if isinstance(stacked, list)
+            else stacked
+        )
+        return f"a tied.Stack of {layout.get('n')} members whose stacked places (in the member) are: {shown}"
+    return json.dumps(layout, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,6 +555,7 @@ def match(doc: dict, like: Any, where: str, check: Callable[..., None] | None = 
                 f"{where}: the view at {keystr(p[0])} differs: like has {lv[0]} of "
                 f"{keystr(lv[1])}, the file has {fv[0]} of {keystr(fv[1])}."
             )
+    _layouts_differ(where, doc, gdef, placing)
     _groups_differ(where, "node", _ids(gdef.shared_node_paths()), _ids(doc["shared_nodes"]))
 
     like_ids = _array_ids(paths, keys)

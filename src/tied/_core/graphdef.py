@@ -296,6 +296,27 @@ class GraphDef:
                 out.append(ViewInfo(tuple(places.nodes[j]), meta, source, leaf))
         return out
 
+    def layouts(self) -> list[tuple[int, Any]]:
+        """Every node whose static data says what the arrays below it mean, with that description.
+
+        A type says so with a ``__tied_layout__(static)`` static method, given the node's own
+        static data (a pytree's aux data) and returning plain data (JSON-able dicts, lists, str,
+        int): a `tied.Stack` describes which places of its member are stacked, and ``n``. Two
+        graphs whose places, shapes and dtypes agree but whose layouts differ hold arrays of
+        different meaning; a strict checkpoint load compares them.
+
+        Returns:
+            One ``(j, layout)`` per such node, in index order: ``j`` the node's index (its places
+            are ``node_paths()[j]``).
+        """
+        out = []
+        for j, (kind, meta, _) in enumerate(self.records):
+            k = KINDS[kind]
+            describe = getattr(k.type_of(meta), "__tied_layout__", None)
+            if describe is not None:
+                out.append((j, describe(k.user_static(meta))))
+        return out
+
     def expand(self) -> tuple[GraphDef, tuple[int, ...]]:
         """The graph unrolled into a tree: one node or leaf per *place*, no sharing left.
 

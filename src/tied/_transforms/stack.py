@@ -70,6 +70,14 @@ class Stack:
     def __repr__(self) -> str:
         return f"Stack({self.n} x {type(self.member).__name__})"
 
+    @staticmethod
+    def __tied_layout__(aux: tuple) -> dict:
+        """What a checkpoint records of a Stack beside its arrays (`GraphDef.layouts`): its length
+        and which places of its member are stacked. Two Stacks whose arrays have the same shapes
+        can still differ here (a broadcast array whose leading axis happens to be ``n``), so a
+        strict `tied.load` compares it."""
+        return {"type": "tied.Stack", "n": aux[0], "stacked": sorted(aux[1])}
+
 
 def _flatten_with_keys(s: Stack):
     return [(_MEMBER, s.member)], (s.n, s.stacked)
