@@ -257,19 +257,27 @@ def validate(doc: Any, where: str) -> dict:
         paths_list(v.get("places"), "a view's places")
         if "source" not in v or not (v["source"] is None or isinstance(v["source"], str)):
             raise bad("a view's source is not a path")
-    if version >= 4:
-        layouts = doc.get("layouts")
-        if not isinstance(layouts, list):
-            raise bad("'layouts' is not a list")
-        for e in layouts:
-            if not isinstance(e, dict) or "layout" not in e:
-                raise bad("a layout entry has no layout")
-            paths_list(e.get("places"), "a layout's places")
-    else:
-        doc.pop("layouts", None)  # not written before version 4: `match` says it cannot check
+    _check_layouts(doc, version, bad, paths_list)
     if not isinstance(doc.get("user", {}), dict):
         raise bad("'user' is not an object")
     return doc
+
+
+def _check_layouts(
+    doc: dict, version: int, bad: Callable[[str], CheckpointError], paths_list: Callable
+) -> None:
+    """The layouts (version 4 on): a list of ``{"places": [...], "layout": ...}``; an earlier
+    document has none (`match` then says it cannot check them)."""
+    if version < 4:
+        doc.pop("layouts", None)
+        return
+    layouts = doc.get("layouts")
+    if not isinstance(layouts, list):
+        raise bad("'layouts' is not a list")
+    for e in layouts:
+        if not isinstance(e, dict) or "layout" not in e:
+            raise bad("a layout entry has no layout")
+        paths_list(e.get("places"), "a layout's places")
 
 
 def _unpack(doc: dict, bad: Callable[[str], CheckpointError]) -> None:

@@ -28,7 +28,7 @@ from .graph import (
     flatten_with,
     place_paths,
 )
-from .live import WritePlan, live_lock, slots, write, write_plan
+from .live import WritePlan, live_lock, node_objects, slots, write, write_plan
 from .plans import compile_flatten
 
 
@@ -93,7 +93,7 @@ def write_back(
     transform its arguments may be that transform's concrete copy (a state cell `tied.grad`
     does not differentiate), which the enclosing transform writes back itself."""
     if who is not None and inputs is not None:
-        escaping = escaping_tracer(gdef, inputs, written, values, who, "nothing was written")
+        escaping = escaping_tracer(gdef, inputs, written, values, who, "nothing was written", root)
         if escaping is not None:
             raise escaping
     with live_lock:
@@ -237,13 +237,24 @@ def place_name(path: str) -> str:
     return where(path)
 
 
-def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: str, after: str):
+def escaping_tracer(
+    gdef: GraphDef, leaves: list, at: Any, values: list, who: str, after: str, root: Any = None
+):
     """The error for state computed inside an enclosing transform that would be written into
     a model living outside it (where it would stay a dead traced value), or None. ``leaves``
     are the model's arrays before the call, ``at`` the indices written, ``who`` what wrote
-    ("the loss", "fun") and ``after`` what became of the model."""
+    ("the loss", "fun") and ``after`` what became of the model. Given ``root`` (the objects
+    written into), a place inside the copy an enclosing tied transform made in that value's
+    trace (`own_copy`: `tied.grad`'s copy, whose undifferentiated cells hold concrete arrays) is
+    not outside: that transform carries the value out and writes it back itself."""
+    owned = None
     for q, v in zip(at, values):
         if isinstance(v, jax.core.Tracer) and not isinstance(leaves[q], jax.core.Tracer):
+            if root is not None:
+                if owned is None:
+                    owned = _Owned(root, gdef)
+                if owned.holds(q, v):
+                    continue
             return GraphError(
                 f"{who} wrote state computed inside an "
                 "enclosing transform (jax.vmap, jax.jit, tied.jit over a function that captures "
@@ -253,6 +264,71 @@ def escaping_tracer(gdef: GraphDef, leaves: list, at: Any, values: list, who: st
                 gdef.leaf_paths()[q][0],
             )
     return None
+
+
+# ---------------------------------------------------------------- copies a tied transform writes back itself
+#
+# `tied.grad` runs the loss on a copy of the model built inside its trace; a cell it does not
+# differentiate holds the caller's concrete array there, so "the array given was concrete" does
+# not tell a place of that copy (which `tied.grad` carries out and writes back) from a place of
+# an object outside the trace (where a traced value would stay dead). The copy is registered
+# with the trace it was built in; a lifted transform inside the loss asks whether the places it
+# writes are the copy's, by object, and the value is of that very trace.
+
+_owners = threading.local()
+
+
+@contextlib.contextmanager
+def own_copy(copy: Any, traced: list):
+    """While the body runs, ``copy`` (a model an enclosing tied transform built inside its trace
+    and writes back itself) may receive values of the trace of ``traced`` (its traced inputs)."""
+    trace = next((getattr(x, "_trace", None) for x in traced if isinstance(x, jax.core.Tracer)), None)
+    stack = _owners.__dict__.setdefault("stack", [])
+    stack.append((copy, trace))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+class _Owned:
+    """Which places of ``root`` lie in a copy registered by `own_copy` (read only when asked)."""
+
+    def __init__(self, root: Any, gdef: GraphDef):
+        self.root, self.gdef = root, gdef
+        self.parents: dict[int, list[int]] | None = None
+        self.objs: list | None = None
+        self.copies: dict[Any, list] = {}  # trace -> the copy's node objects (kept alive: ids stay theirs)
+
+    def holds(self, q: int, v: Any) -> bool:
+        """Whether every place of unique array ``q`` sits in a node of a copy registered with the
+        trace of ``v`` (a tracer of that very trace, no plain transform in between)."""
+        trace = getattr(v, "_trace", None)
+        stack = getattr(_owners, "stack", None)
+        if trace is None or not stack:
+            return False
+        ids = self._copy_nodes(stack, trace)
+        if not ids:
+            return False
+        if self.parents is None:
+            self.parents = {}
+            for p in self.gdef.walk_places(paths=False):
+                if p.kind == "array":
+                    self.parents.setdefault(p.index, []).append(p.parent)
+            self.objs = node_objects(self.root, self.gdef)
+        at = self.parents.get(q, [])
+        return bool(at) and all(j >= 0 and id(self.objs[j]) in ids for j in at)  # type: ignore[index]
+
+    def _copy_nodes(self, stack: list, trace: Any) -> set[int]:
+        for copy, copy_trace in reversed(stack):
+            if copy_trace is trace:
+                if trace not in self.copies:
+                    try:
+                        self.copies[trace] = node_objects(copy, flatten(copy)[1])
+                    except GraphError:
+                        self.copies[trace] = []
+                return {id(x) for x in self.copies[trace] if x is not None}
+        return set()
 
 
 def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:

@@ -20,6 +20,7 @@ from .._core import (
     first_difference,
     flatten,
     is_param,
+    own_copy,
     read_places,
     rebuild,
     refuse_dropped,
@@ -193,7 +194,8 @@ def value_and_grad(
             new_args = list(args)
             for i, a in zip(nums, selected):
                 new_args[i] = a
-            out = fun(*new_args, **kwargs)
+            with own_copy(selected, params):  # tied.scan/remat inside may write this trace's values into it
+                out = fun(*new_args, **kwargs)
             # State written during the forward pass (or a parameter replaced) goes back to
             # the caller's objects after the call, as if the loss had run on them.
             after_leaves, after = flatten(selected[0] if single else selected)

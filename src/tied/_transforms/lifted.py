@@ -60,12 +60,18 @@ def _read_writes(who: str, gdef: GraphDef, given: list, copy: Any, name: Callabl
     return after_leaves, [q for q, (a, b) in enumerate(zip(after_leaves, given)) if a is not b]
 
 
-def _write_back(root: Any, gdef: GraphDef, leaves: list, written: list, values: list, who: str) -> None:
+def _write_back(
+    root: Any, gdef: GraphDef, leaves: list, written: list, values: list, who: str, name: Any = None
+) -> None:
     """Write ``values`` at every place of the unique arrays ``written`` of ``root`` (whose
-    flatten gave ``leaves`` and ``gdef``), as `tied.jit` writes back."""
+    flatten gave ``leaves`` and ``gdef``), as `tied.jit` writes back; an error's place is shown
+    through ``name`` (``root``'s path -> the caller's: ``args[0]...``)."""
     if not written:
         return
-    write_back(root, gdef, tuple(written), values, who, leaves, who=who)
+    try:
+        write_back(root, gdef, tuple(written), values, who, leaves, who=who)
+    except GraphError as e:
+        raise (e if name is None or e.path is None else e.named(name)) from None
 
 
 # ---------------------------------------------------------------- scan
@@ -265,8 +271,7 @@ def _leaf_axes(args: tuple, axes: list, leaves: list, gdef: GraphDef) -> list:
 
 def _arg_path(gdef: GraphDef, leaves: list, x: Any) -> str:
     q = next(i for i, y in enumerate(leaves) if y is x)
-    path = gdef.leaf_paths()[q][0]
-    return "args" + path if path else "<root>"
+    return _arg_name(gdef.leaf_paths()[q][0])
 
 
 def vmap(
@@ -354,7 +359,7 @@ def vmap(
         out_leaves = _join_out(parts, learnt)
         for i in learnt["totals"]:
             mark_total(out_leaves[i])
-        _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap")
+        _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap", _arg_name)
         return rebuild(learnt["gdef"], out_leaves)
 
     return wrapped
@@ -475,7 +480,7 @@ def remat(
         out_leaves, new = jax.checkpoint(inner, prevent_cse=prevent_cse, policy=policy)(list(leaves))
         for i in learnt["totals"]:
             mark_total(out_leaves[i])
-        _write_back(root, gdef, leaves, learnt["written"], list(new), "tied.remat")
+        _write_back(root, gdef, leaves, learnt["written"], list(new), "tied.remat", place_name)
         return rebuild(learnt["gdef"], out_leaves)
 
     return wrapped
