@@ -227,3 +227,16 @@ def test_treescope_renders_tied_nodes_with_the_same_marks():
     assert marks == sorted(re.findall(r"<tied: same as [^>]*>+", repr(a)))
     assert len(marks) == sum(len(g) - 1 for g in tied.ties(a)) == 4
     assert "float32(2, 2)" in text  # the arrays are treescope's own renderings
+
+
+def test_a_stack_shows_its_length_and_its_ties_to_the_outside():
+    norm = jnp.ones(2)
+    model = Node(
+        blocks=tied.stack([{"w": jnp.full(2, float(i)), "norm": norm} for i in range(4)]),
+        norm=norm,
+    )
+    lines = repr(model).splitlines()
+    assert lines[:4] == ["Node(", "  blocks=Stack(", "    n=4,", "    member={"]
+    assert "      'w': f32[4,2]," in lines  # stacked: the leading axis is n
+    assert "  norm=<tied: same as .blocks.member['norm']>," in lines  # broadcast: the one array
+    assert read_back(repr(model)) == expected_marks(model)

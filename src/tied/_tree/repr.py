@@ -209,6 +209,16 @@ def _brackets(kind: str, typ: type) -> tuple[str, str]:
     return _BRACKETS.get(kind) or (f"{getattr(typ, '__name__', kind)}(", ")")
 
 
+def _layout_fields(layouts: dict, j: int) -> list[tuple[str, Any]]:
+    """The plain numbers of node ``j``'s layout (`GraphDef.layouts`: a `tied.Stack`'s ``n``),
+    shown as fields before its children; longer parts (the stacked places) are left to
+    `tied.summary`."""
+    layout = layouts.get(j)
+    if not isinstance(layout, dict):
+        return []
+    return [(k, v) for k, v in layout.items() if isinstance(v, int) and not isinstance(v, bool)]
+
+
 def _obj(p: Any) -> tuple[str, int]:
     return (p.kind, p.index) if p.kind in ("array", "static") else ("node", p.index)
 
@@ -241,6 +251,7 @@ def tree_repr(model: Any, *, max_lines: int = MAX_LINES, max_depth: int = MAX_DE
     """
     with live_lock:  # not while a write into live models is in progress
         leaves, gdef = flatten(model)
+    layouts = dict(gdef.layouts())
     lines: list[str] = []
     first: dict[tuple[str, int], str] = {}
     open_nodes: list[tuple[int, str]] = []  # (depth, closing bracket) of the nodes entered
@@ -280,6 +291,8 @@ def tree_repr(model: Any, *, max_lines: int = MAX_LINES, max_depth: int = MAX_DE
                 lines.append(f"{indent}{label}{opening}")
                 if p.value is not None:  # a view's function
                     lines.append(f"{indent}  fn={_static_text(p.value)},")
+                for k, v in _layout_fields(layouts, p.index):  # a Stack's length
+                    lines.append(f"{indent}  {k}={v},")
                 open_nodes.append((p.depth, closing))
     if truncated:
         depth = open_nodes[-1][0] + 1 if open_nodes else 1
