@@ -31,6 +31,7 @@ import safetensors
 import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import cpu_env
 from safetensors.numpy import save_file
 
 import tied
@@ -1411,9 +1412,7 @@ except tied.CheckpointError as e:
 
 
 def test_an_indivisible_sharding_is_a_checkpoint_error_naming_the_path():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [x for x in env.get("XLA_FLAGS", "").split() if "device_count" not in x]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=2"])
+    env = cpu_env("--xla_force_host_platform_device_count=2")
     out = subprocess.run(
         [sys.executable, "-c", _SHARDING_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from processes import FAST_COMPILE, cpu_env, start_logged, wait_or_kill
 
 import tied
 from tied.nn import Dense, Embedding
@@ -75,31 +76,7 @@ def steps_on_disk(path) -> list[str]:
 
 
 def _example(*args: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
-    f = open(log, "wb")  # noqa: SIM115 - closed by the caller's wait
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    proc.log, proc.file = log, f  # type: ignore[attr-defined]
-    return proc
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 120) -> int:
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.file.close()  # type: ignore[attr-defined]
-    return code
+    return start_logged([sys.executable, str(EXAMPLE), *args], log, cpu_env(FAST_COMPILE))
 
 
 def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
@@ -118,7 +95,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
     }
     latest = {}
     for k, p in killed.items():
-        assert _wait(p) == -9, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
+        assert wait_or_kill(p) == -9, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
         with tied.CheckpointManager(tmp_path / f"k{k}", async_save=False) as listed:
             steps = listed.all_steps()
         # Only complete steps are listed: due ones, no later than the kill; the save of the last due
@@ -126,7 +103,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
         assert all(s % 5 == 0 and s <= k for s in steps) and len(steps) <= 2, (k, steps)
         assert not steps or steps[-1] >= k - k % 5 - 5, (k, steps)
         latest[k] = steps[-1] if steps else None
-    assert _wait(ref) == 0, ref.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    assert wait_or_kill(ref) == 0, ref.log.read_text()[-3000:]  # type: ignore[attr-defined]
     resumed = {
         k: _example(
             "--dir", str(tmp_path / f"k{k}"), "--out", str(tmp_path / f"k{k}.npz"), log=tmp_path / f"r{k}.txt"
@@ -134,7 +111,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
         for k in kills
     }
     for k, p in resumed.items():
-        assert _wait(p) == 0, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
+        assert wait_or_kill(p) == 0, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
         if latest[k] is not None:
             assert f"resumed from step {latest[k]} " in p.log.read_text()  # type: ignore[attr-defined]
         # No unfinished save is left behind, and the kept steps are the last two.

@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import models, places, sharing_groups
 from hypothesis import given
+from processes import FAST_COMPILE, pytest_on_fake_devices
 
 import tied
 from tied.nn import Chain, Dense, Embedding
@@ -529,31 +530,7 @@ def test_threads_saving_and_loading_at_once(tmp_path):
 
 def test_eight_fake_devices():
     """tests/multiprocess/orbax_devices.py under 8 fake CPU devices, in its own process."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    # Compiling, not running, is most of these few training steps: skip LLVM's optimisations.
-    env["XLA_FLAGS"] = " ".join(
-        [*flags, "--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/multiprocess/orbax_devices.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    # Compiling, not running, is most of these few training steps: FAST_COMPILE.
+    code, report = pytest_on_fake_devices("tests/multiprocess/orbax_devices.py", FAST_COMPILE)
+    assert code == 0, report
     assert "4 passed" in report, report
