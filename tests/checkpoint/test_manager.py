@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import same_bits
 from processes import FAST_COMPILE, cpu_env, start_logged, wait_or_kill
 
 import tied
@@ -29,11 +30,6 @@ from tied.nn import Dense, Embedding
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resumable_training.py"
 TX = optax.adam(1e-2)
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def host(tree) -> list[np.ndarray]:
@@ -127,33 +123,6 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
 
 
 # ---------------------------------------------------------------- no race
-
-
-@pytest.fixture
-def slow_writes(monkeypatch):
-    """Orbax's background writes start 0.5 s late, so the caller's next steps surely run while the
-    save is in flight (without this, a small save could finish first and hide a race)."""
-    import asyncio
-
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    def delayed(fn):
-        async def late(*args, **kwargs):
-            await asyncio.sleep(0.5)
-            return await fn(*args, **kwargs)
-
-        return late
-
-    monkeypatch.setattr(
-        ocp.type_handlers.NumpyHandler,
-        "_background_serialize",
-        delayed(ocp.type_handlers.NumpyHandler._background_serialize),
-    )
-    monkeypatch.setattr(
-        jax_array_handlers,
-        "_async_serialize_replica_slices",
-        delayed(jax_array_handlers._async_serialize_replica_slices),
-    )
 
 
 @pytest.mark.parametrize("async_save", [True, False])

@@ -7,7 +7,6 @@ compared bit for bit), the directory listed with ``os.listdir``, the exit status
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from processes import FAST_COMPILE, cpu_env, start_logged, wait_or_kill
 
@@ -53,30 +51,6 @@ def check_step(path: Path, step: int) -> None:
     assert np.array_equal(np.asarray(back["embed"]["weight"]), ref["weight"])
     assert np.array_equal(np.asarray(back["bias"]), ref["bias"])
     assert np.array_equal(back["count"], ref["count"])
-
-
-@pytest.fixture
-def slow_writes(monkeypatch):
-    """Orbax's background writes of numpy and JAX arrays start 0.5 s late: a save stays in flight."""
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    def delayed(fn):
-        async def late(*args, **kwargs):
-            await asyncio.sleep(0.5)
-            return await fn(*args, **kwargs)
-
-        return late
-
-    monkeypatch.setattr(
-        ocp.type_handlers.NumpyHandler,
-        "_background_serialize",
-        delayed(ocp.type_handlers.NumpyHandler._background_serialize),
-    )
-    monkeypatch.setattr(
-        jax_array_handlers,
-        "_async_serialize_replica_slices",
-        delayed(jax_array_handlers._async_serialize_replica_slices),
-    )
 
 
 # ---------------------------------------------------------------- two processes
