@@ -20,11 +20,9 @@ per-round ratios, and GiB/s of unique bytes.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -33,8 +31,11 @@ import safetensors.numpy
 import tied
 from tied.nn import MLP, Chain, Dense, Embedding
 
+from .timing import arguments, ratios, time_rounds
+
 TARGETS = {"save": 1.1, "load": 1.5}
 GIB = 1 << 30
+PAIRS = {"save": ("tied.save", "save_file+fsync"), "load": ("tied.load", "load_file+device_put")}
 
 
 def model(vocab: int = 32768, dim: int = 1024, hidden: int = 4096, blocks: int = 12):
@@ -84,32 +85,70 @@ def run(rounds: int = 7, folder: str | None = None) -> dict:
         def st_load():
             _block({k: jax.device_put(v) for k, v in safetensors.numpy.load_file(theirs).items()})
 
-        ops = {"tied.save": tied_save, "save_file+fsync": st_save, "tied.load": tied_load}
-        ops["load_file+device_put"] = st_load
-        for op in ops.values():  # warm up: the files exist and sit in the page cache
-            op()
-        back = tied.load(ours, m)
-        assert back.layers[0].weight is back.layers[-1].weight
-        assert np.array_equal(np.asarray(back.layers[3].fc1.weight), np.asarray(m.layers[3].fc1.weight))
-        times: dict[str, list[float]] = {k: [] for k in ops}
-        names = list(ops)
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                t0 = time.perf_counter()
-                ops[name]()
-                times[name].append(time.perf_counter() - t0)
-    pairs = {"save": ("tied.save", "save_file+fsync"), "load": ("tied.load", "load_file+device_put")}
-    ratios = {op: [a / b for a, b in zip(times[ours], times[ref])] for op, (ours, ref) in pairs.items()}
+        times = time_save_load(m, ours, tied_save, st_save, tied_load, st_load, rounds)
+    return result(times, nbytes, rounds)
+
+
+def time_save_load(m, ours: str, tied_save, st_save, tied_load, st_load, rounds: int) -> dict:
+    """Warm up the four operations (the files exist and sit in the page cache), check that ``ours``
+    loads back with its tie and values, then time them in ``rounds`` rotated rounds."""
+    ops = {"tied.save": tied_save, "save_file+fsync": st_save, "tied.load": tied_load}
+    ops["load_file+device_put"] = st_load
+    for op in ops.values():
+        op()
+    back = tied.load(ours, m)
+    assert back.layers[0].weight is back.layers[-1].weight
+    assert np.array_equal(np.asarray(back.layers[3].fc1.weight), np.asarray(m.layers[3].fc1.weight))
+    return time_rounds(ops, rounds)
+
+
+def result(times: dict, nbytes: int, rounds: int) -> dict:
+    """Median seconds and GiB/s of each operation, ratios of tied's to safetensors' per round."""
     seconds = {k: statistics.median(v) for k, v in times.items()}
     return {
         "gib": nbytes / GIB,
         "rounds": rounds,
         "seconds": seconds,
         "gib_per_s": {k: nbytes / GIB / s for k, s in seconds.items()},
-        "ratio": {op: statistics.median(r) for op, r in ratios.items()},
-        "ratio_range": {op: [min(r), max(r)] for op, r in ratios.items()},
+        **ratios(times, PAIRS),
         "all_seconds": times,
     }
+
+
+def rows(r: dict, targets: dict) -> list[tuple[str, str, str, float, float, float, str]]:
+    """Per operation: (op, tied's, the reference, ratio, min, max, whether ``targets`` is met)."""
+    out = []
+    for op, (ours, ref) in PAIRS.items():
+        lo, hi = r["ratio_range"][op]
+        verdict = "met" if r["ratio"][op] <= targets[op] else "missed"
+        out.append((op, ours, ref, r["ratio"][op], lo, hi, verdict))
+    return out
+
+
+def table(r: dict, targets: dict) -> list[str]:
+    """The markdown table of `report`: a row per operation, then a blank line."""
+    lines = [
+        "| operation | tied | GiB/s | reference | GiB/s | ratio | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for op, ours, ref, ratio, lo, hi, verdict in rows(r, targets):
+        lines.append(
+            f"| {op} | {r['seconds'][ours]:.3f} s | {r['gib_per_s'][ours]:.2f} | `{ref}` "
+            f"{r['seconds'][ref]:.3f} s | {r['gib_per_s'][ref]:.2f} | {ratio:.2f}x ({lo:.2f} to "
+            f"{hi:.2f}) | <= {targets[op]}x ({verdict}) |"
+        )
+    return [*lines, ""]
+
+
+def print_rows(r: dict, targets: dict) -> None:
+    """What `main` prints, one line per operation."""
+    for op, ours, ref, ratio, lo, hi, _ in rows(r, targets):
+        print(
+            f"{ours:10s} {r['seconds'][ours]:.3f} s {r['gib_per_s'][ours]:5.2f} GiB/s | {ref:21s} "
+            f"{r['seconds'][ref]:.3f} s {r['gib_per_s'][ref]:5.2f} GiB/s | ratio {ratio:.2f}x "
+            f"(rounds {lo:.2f} to {hi:.2f}; target <= {targets[op]}x)",
+            flush=True,
+        )
 
 
 def report(r: dict) -> list[str]:
@@ -121,39 +160,16 @@ def report(r: dict) -> list[str]:
         "the median of the per-round ratios (min to max in brackets), GiB/s of unique bytes at the median "
         "time.",
         "",
-        "| operation | tied | GiB/s | reference | GiB/s | ratio | target |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for op, ref in (("save", "save_file+fsync"), ("load", "load_file+device_put")):
-        ours = f"tied.{op}"
-        lo, hi = r["ratio_range"][op]
-        verdict = "met" if r["ratio"][op] <= TARGETS[op] else "missed"
-        lines.append(
-            f"| {op} | {r['seconds'][ours]:.3f} s | {r['gib_per_s'][ours]:.2f} | `{ref}` "
-            f"{r['seconds'][ref]:.3f} s | {r['gib_per_s'][ref]:.2f} | {r['ratio'][op]:.2f}x ({lo:.2f} to "
-            f"{hi:.2f}) | <= {TARGETS[op]}x ({verdict}) |"
-        )
-    lines.append("")
-    return lines
+    return [*lines, *table(r, TARGETS)]
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = arguments(__doc__)
     parser.add_argument("--dir", default=None, help="folder for the files (default: the temp folder)")
     args = parser.parse_args(argv)
     r = run(args.rounds, args.dir)
-    for op, ref in (("save", "save_file+fsync"), ("load", "load_file+device_put")):
-        ours = f"tied.{op}"
-        lo, hi = r["ratio_range"][op]
-        print(
-            f"{ours:10s} {r['seconds'][ours]:.3f} s {r['gib_per_s'][ours]:5.2f} GiB/s | {ref:21s} "
-            f"{r['seconds'][ref]:.3f} s {r['gib_per_s'][ref]:5.2f} GiB/s | ratio {r['ratio'][op]:.2f}x "
-            f"(rounds {lo:.2f} to {hi:.2f}; target <= {TARGETS[op]}x)",
-            flush=True,
-        )
+    print_rows(r, TARGETS)
     return r
 
 

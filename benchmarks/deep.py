@@ -26,7 +26,6 @@ Targets (issue 30): first call with tied.scan <= 1.2x the hand-written scan and 
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -38,6 +37,8 @@ import optax
 
 import tied
 from tied.nn import Dense, Embedding, LayerNorm, TransformerBlock
+
+from .timing import arguments, rotated
 
 VOCAB, DIM, HEADS, SEQ, BATCH = 64, 64, 4, 32, 8
 TARGETS = {"first_call": 1.2, "first_call_vs_unrolled": 5.0, "step": 1.05}
@@ -108,6 +109,19 @@ def _data():
 # ---------------------------------------------------------------- one system: build -> step()
 
 
+def _runner(step, model, state):
+    """``run()``: one ``step(model, state, ids, targets)`` on the benchmark's batch, keeping the new
+    model and state for the next call; returns the loss."""
+    box = [model, state]
+    ids, targets = _data()
+
+    def run():
+        box[0], box[1], value = step(box[0], box[1], ids, targets)
+        return value
+
+    return run
+
+
 def make_tied(layers: int, stacked: bool):
     model = LM(layers, stacked, jax.random.key(0))
 
@@ -117,14 +131,7 @@ def make_tied(layers: int, stacked: bool):
         model, state = tied.optim.update(state, model, g)
         return model, state, value
 
-    box = [model, tied.optim.setup(optax.adam(1e-3), model)]
-    ids, targets = _data()
-
-    def run():
-        box[0], box[1], value = step(box[0], box[1], ids, targets)
-        return value
-
-    return run
+    return _runner(step, model, tied.optim.setup(optax.adam(1e-3), model))
 
 
 def make_hand(layers: int):
@@ -149,14 +156,7 @@ def make_hand(layers: int):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    box = [params, tx.init(params)]
-    ids, targets = _data()
-
-    def run():
-        box[0], box[1], value = step(box[0], box[1], ids, targets)
-        return value
-
-    return run
+    return _runner(step, params, tx.init(params))
 
 
 def make_nnx(layers: int):
@@ -238,13 +238,12 @@ def first_calls(layers: int, rounds: int) -> dict:
     names = list(make)
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, float] = {}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            run = make[n]()  # a new jitted function: nothing cached from the last round
-            t0 = time.perf_counter()
-            value = jax.block_until_ready(run())
-            times[n].append(time.perf_counter() - t0)
-            losses[n] = float(value)
+    for n in rotated(names, rounds):
+        run = make[n]()  # a new jitted function: nothing cached from the last round
+        t0 = time.perf_counter()
+        value = jax.block_until_ready(run())
+        times[n].append(time.perf_counter() - t0)
+        losses[n] = float(value)
     out = _summary(times, "lax.scan (hand)")
     out["first_loss"] = losses
     return out
@@ -256,13 +255,12 @@ def steps(layers: int, rounds: int, repeat: int) -> dict:
     losses = {n: [float(run()) for _ in range(3)] for n, run in runs.items()}  # compile, warm up
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                value = runs[n]()
-            jax.block_until_ready(value)
-            times[n].append((time.perf_counter() - t0) / repeat)
+    for n in rotated(names, rounds):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            value = runs[n]()
+        jax.block_until_ready(value)
+        times[n].append((time.perf_counter() - t0) / repeat)
     out = _summary(times, "lax.scan (hand)")
     out["same_losses"] = {
         n: bool(np.allclose(v, losses["lax.scan (hand)"], rtol=1e-4, atol=1e-5)) for n, v in losses.items()
@@ -315,11 +313,8 @@ def report(r: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__, rounds=3)
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)

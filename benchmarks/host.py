@@ -30,7 +30,6 @@ leave to the young generation is collected inside their timing.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import statistics
@@ -46,6 +45,8 @@ from tied import optim
 from tied._core import graph as _graph
 from tied._core.plans import compile as _plan
 from tied.nn import Chain, Dense
+
+from .timing import arguments
 
 
 def _spread(ratios: list[float]) -> dict:
@@ -401,10 +402,7 @@ def report(r: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = arguments(__doc__)
     parser.add_argument("--sizes", default="10,100,1000,10000")
     parser.add_argument("--layers", default="30,300,1000")
     parser.add_argument("--host-layers", default="1000,20000", help="host work on a step's arguments")

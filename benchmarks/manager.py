@@ -19,7 +19,6 @@ was still in flight when the step ended.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -30,14 +29,10 @@ import optax
 
 import tied
 
-from .checkpoint import GIB, model
+from .checkpoint import GIB, _block, model
+from .timing import arguments, ratios
 
 TARGETS = {"blocking": 0.15, "step": 1.3}
-
-
-def _block(tree) -> None:
-    for x in tied.flatten(tree)[0]:
-        x.block_until_ready()
 
 
 def run(rounds: int = 7, folder: str | None = None) -> dict:
@@ -92,13 +87,11 @@ def run(rounds: int = 7, folder: str | None = None) -> dict:
             back = fast.restore({"model": m, "opt": opt})
             assert back["model"].layers[0].weight is back["model"].layers[-1].weight
     pairs = {"blocking": ("async save", "sync save"), "step": ("step, save in flight", "step")}
-    ratios = {k: [a / b for a, b in zip(times[x], times[y])] for k, (x, y) in pairs.items()}
     return {
         "gib": nbytes / GIB,
         "rounds": rounds,
         "seconds": {k: statistics.median(v) for k, v in times.items()},
-        "ratio": {k: statistics.median(v) for k, v in ratios.items()},
-        "ratio_range": {k: [min(v), max(v)] for k, v in ratios.items()},
+        **ratios(times, pairs),
         "save_in_flight_after_step": sum(in_flight),
         "all_seconds": times,
     }
@@ -140,10 +133,7 @@ def report(r: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = arguments(__doc__)
     parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: the temp folder)")
     args = parser.parse_args(argv)
     r = run(args.rounds, args.dir)

@@ -10,7 +10,6 @@ hand-written pure-JAX step, flatten+unflatten against `jax.tree_util`. Writes
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -31,6 +30,7 @@ from tied import optim
 
 from . import checkpoint, deep, host, manager, sharded, state
 from . import workloads as W
+from .timing import arguments, rotated
 
 HERE = Path(__file__).resolve().parent
 
@@ -77,15 +77,13 @@ def time_steps(workload: W.Workload, rounds: int, budget_s: float) -> dict:
     n_steps = {name: max(5, int(slot / t)) for name, t in probe.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]  # no system always first
-        for name in order:
-            run = runs[name]
-            t0 = time.perf_counter()
-            for _ in range(n_steps[name]):
-                value = run()
-            _block(value)
-            times[name].append((time.perf_counter() - t0) / n_steps[name])
+    for name in rotated(names, rounds):  # no system always first
+        run = runs[name]
+        t0 = time.perf_counter()
+        for _ in range(n_steps[name]):
+            value = run()
+        _block(value)
+        times[name].append((time.perf_counter() - t0) / n_steps[name])
     median = {name: statistics.median(ts) for name, ts in times.items()}
     # The ratio of each round to pure JAX's time in the same round, then the median over
     # rounds: a slow spell of the machine hits both sides of a ratio.
@@ -363,10 +361,7 @@ def write_markdown(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=15)
+    parser = arguments(__doc__, rounds=15)
     parser.add_argument("--budget", type=float, default=40.0, help="seconds of timing per workload")
     parser.add_argument("--quick", action="store_true", help="3 rounds, short budget (a smoke run)")
     parser.add_argument("--only", nargs="*", default=None, help="workloads to run")

@@ -21,20 +21,17 @@ per-round ratios (min to max), and GiB/s of unique bytes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import jax
-import numpy as np
 import safetensors.numpy
 
 import tied
 
-from .checkpoint import GIB, _block, _fsync, _unique, model
+from .checkpoint import _block, _fsync, _unique, model, print_rows, result, table, time_save_load
+from .timing import arguments
 
 TARGETS = {"save": 1.2, "load": 1.3}
 SHARD = 128 << 20
@@ -74,43 +71,8 @@ def run(rounds: int = 7, folder: str | None = None) -> dict:
                 out.update(safetensors.numpy.load_file(os.path.join(theirs, shard)))
             _block({k: jax.device_put(v) for k, v in out.items()})
 
-        ops = {"tied.save": tied_save, "save_file+fsync": st_save, "tied.load": tied_load}
-        ops["load_file+device_put"] = st_load
-        for op in ops.values():  # warm up: the files exist and sit in the page cache
-            op()
-        back = tied.load(ours, m)
-        assert back.layers[0].weight is back.layers[-1].weight
-        assert np.array_equal(np.asarray(back.layers[3].fc1.weight), np.asarray(m.layers[3].fc1.weight))
-        times: dict[str, list[float]] = {k: [] for k in ops}
-        names = list(ops)
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                t0 = time.perf_counter()
-                ops[name]()
-                times[name].append(time.perf_counter() - t0)
-    pairs = {"save": ("tied.save", "save_file+fsync"), "load": ("tied.load", "load_file+device_put")}
-    ratios = {op: [a / b for a, b in zip(times[o], times[ref])] for op, (o, ref) in pairs.items()}
-    seconds = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "gib": nbytes / GIB,
-        "shards": len(groups),
-        "rounds": rounds,
-        "seconds": seconds,
-        "gib_per_s": {k: nbytes / GIB / s for k, s in seconds.items()},
-        "ratio": {op: statistics.median(r) for op, r in ratios.items()},
-        "ratio_range": {op: [min(r), max(r)] for op, r in ratios.items()},
-        "all_seconds": times,
-    }
-
-
-def _rows(r: dict) -> list[tuple[str, str, str, float, float, float, str]]:
-    out = []
-    for op, ref in (("save", "save_file+fsync"), ("load", "load_file+device_put")):
-        ours = f"tied.{op}"
-        lo, hi = r["ratio_range"][op]
-        verdict = "met" if r["ratio"][op] <= TARGETS[op] else "missed"
-        out.append((op, ours, ref, r["ratio"][op], lo, hi, verdict))
-    return out
+        times = time_save_load(m, ours, tied_save, st_save, tied_load, st_load, rounds)
+    return {"shards": len(groups), **result(times, nbytes, rounds)}
 
 
 def report(r: dict) -> list[str]:
@@ -122,34 +84,16 @@ def report(r: dict) -> list[str]:
         f"{r['rounds']} interleaved rounds, against safetensors' own `save_file`/`load_file` of the same "
         "shards; the ratio is the median of the per-round ratios (min to max in brackets).",
         "",
-        "| operation | tied | GiB/s | reference | GiB/s | ratio | target |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for op, ours, ref, ratio, lo, hi, verdict in _rows(r):
-        lines.append(
-            f"| {op} | {r['seconds'][ours]:.3f} s | {r['gib_per_s'][ours]:.2f} | `{ref}` "
-            f"{r['seconds'][ref]:.3f} s | {r['gib_per_s'][ref]:.2f} | {ratio:.2f}x ({lo:.2f} to "
-            f"{hi:.2f}) | <= {TARGETS[op]}x ({verdict}) |"
-        )
-    lines.append("")
-    return lines
+    return [*lines, *table(r, TARGETS)]
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = arguments(__doc__)
     parser.add_argument("--dir", default=None, help="folder for the sets (default: the temp folder)")
     args = parser.parse_args(argv)
     r = run(args.rounds, args.dir)
-    for op, ours, ref, ratio, lo, hi, _ in _rows(r):
-        print(
-            f"{ours:10s} {r['seconds'][ours]:.3f} s {r['gib_per_s'][ours]:5.2f} GiB/s | {ref:21s} "
-            f"{r['seconds'][ref]:.3f} s {r['gib_per_s'][ref]:5.2f} GiB/s | ratio {ratio:.2f}x "
-            f"(rounds {lo:.2f} to {hi:.2f}; target <= {TARGETS[op]}x)",
-            flush=True,
-        )
+    print_rows(r, TARGETS)
     return r
 
 

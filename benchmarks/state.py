@@ -20,7 +20,6 @@ with the min and max beside it):
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -33,6 +32,8 @@ import optax
 import tied
 from tied import demo
 from tied.nn import BatchNorm, Chain, Dense, Dropout
+
+from .timing import arguments, rotated
 
 TARGETS = {"batchnorm_dropout_step": 1.05, "kv_decode_64": 1.10}
 WIDTH, BATCH, IN, CLASSES, RATE, MOM, EPS = 512, 256, 256, 10, 0.1, 0.1, 1e-5
@@ -218,13 +219,12 @@ def _interleaved(runs: dict, rounds: int, repeat: int) -> dict:
     names = list(runs)
     firsts = {n: [np.asarray(runs[n]()) for _ in range(2)] for n in names}  # compile, warm up
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % 2 :] + names[: r % 2]:  # neither always first
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                out = runs[n]()
-            jax.block_until_ready(out)
-            times[n].append((time.perf_counter() - t0) / repeat)
+    for n in rotated(names, rounds):  # neither always first
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            out = runs[n]()
+        jax.block_until_ready(out)
+        times[n].append((time.perf_counter() - t0) / repeat)
     a, b = names
     ratios = [x / y for x, y in zip(times[a], times[b])]
     return {
@@ -272,10 +272,7 @@ def report(r: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=7)
+    parser = arguments(__doc__)
     args = parser.parse_args(argv)
     r = run(args.rounds)
     print("\n".join(report(r)), flush=True)

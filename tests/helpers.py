@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
@@ -183,6 +184,35 @@ def assert_trees_close(a: Any, b: Any, *, atol: float = 1e-5, rtol: float = 1e-5
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol, err_msg=path)
         elif children(x) is None:
             assert x == y, (path, x, y)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """The same dtype, shape and bytes."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# Every dtype a checkpoint stores. JAX holds all but the 64-bit ones (unless jax_enable_x64): those
+# are tested as numpy arrays only.
+DTYPES = [
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint32,
+    np.bool_,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+DTYPE_CASES = [(np.dtype(d), "numpy") for d in DTYPES] + [
+    (np.dtype(d), "jax") for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)
+]
 
 
 # ---------------------------------------------------------------- random models

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import FAST_COMPILE, cpu_env, kill_group, start_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess" / "worker.py"
@@ -40,15 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    # Programs that run a few steps: LLVM's optimisations would be most of the time.
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 class Job:
@@ -74,18 +66,7 @@ class Job:
             ]
             if n > 1:
                 argv += ["--port", str(port), "--process-id", str(i), "--num-processes", str(n)]
-            with open(self.logs[i], "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        argv,
-                        cwd=ROOT,
-                        env=_env(),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
+            self.procs.append(start_logged(argv, self.logs[i], cpu_env(FAST_COMPILE)))
         self.started = time.monotonic()
 
     def wait(self, *, expect_killed: int | None = None, grace: float = 5.0) -> list[int]:
@@ -111,13 +92,7 @@ class Job:
 
     def stop(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            p.wait()
+            kill_group(p)
 
     def report(self) -> str:
         return "\n".join(
@@ -138,16 +113,11 @@ class Example:
 
     def __init__(self, log: Path):
         self.log = log
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "examples" / "multihost.py"), "--local", "2", "--steps", "3"],
-                cwd=ROOT,
-                env=_env(),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.proc = start_logged(
+            [sys.executable, str(ROOT / "examples" / "multihost.py"), "--local", "2", "--steps", "3"],
+            log,
+            cpu_env(FAST_COMPILE),
+        )
         self.started = time.monotonic()
 
     def wait(self) -> None:
@@ -157,12 +127,7 @@ class Example:
             self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+        kill_group(self.proc)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -343,18 +308,7 @@ class ManagerJob(Job):
                 "2",
                 *extra,
             ]
-            with open(self.logs[i], "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        argv,
-                        cwd=ROOT,
-                        env=_env(),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
+            self.procs.append(start_logged(argv, self.logs[i], cpu_env(FAST_COMPILE)))
         self.started = time.monotonic()
 
 

@@ -10,10 +10,7 @@ once in the navigation, and long code lines wrap. Needs the ``docs`` extra
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -24,20 +21,7 @@ for _module in ("mkdocs", "material", "mkdocstrings"):
         _module, reason=f"{_module} is not installed: the docs extra (pip install -e '.[docs]')"
     )
 
-ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"""(?:href|src)\s*=\s*["']([^"']*)["']""")
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
 
 
 def pages(site: Path) -> list[Path]:

@@ -23,14 +23,15 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
 import safetensors
 import safetensors.numpy
+from helpers import DTYPE_CASES, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import cpu_env
 from safetensors.numpy import save_file
 
 import tied
@@ -66,11 +67,6 @@ class Box:
 class EqxPair(eqx.Module):
     left: object
     right: object
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def seed_model(key=0):
@@ -164,30 +160,6 @@ def test_views_store_only_the_source(tmp_path):
     assert back.layers[1].weight.source is back.layers[0].weight
     x = jnp.ones((1, 2))
     np.testing.assert_array_equal(back(x), model(x))
-
-
-DTYPES = [
-    ml_dtypes.bfloat16,
-    np.float16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint32,
-    np.bool_,
-    ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e5m2,
-]
-
-
-# JAX holds every dtype but the 64-bit ones (unless jax_enable_x64): those are tested as numpy arrays.
-DTYPE_CASES = [(np.dtype(d), "numpy") for d in DTYPES] + [
-    (np.dtype(d), "jax") for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)
-]
 
 
 @pytest.mark.parametrize("dt, kind", DTYPE_CASES, ids=lambda c: str(c))
@@ -1411,9 +1383,7 @@ except tied.CheckpointError as e:
 
 
 def test_an_indivisible_sharding_is_a_checkpoint_error_naming_the_path():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [x for x in env.get("XLA_FLAGS", "").split() if "device_count" not in x]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=2"])
+    env = cpu_env("--xla_force_host_platform_device_count=2")
     out = subprocess.run(
         [sys.executable, "-c", _SHARDING_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )

@@ -21,6 +21,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import same_bits
+from processes import FAST_COMPILE, cpu_env, start_logged, wait_or_kill
 
 import tied
 from tied.nn import Dense, Embedding
@@ -28,11 +30,6 @@ from tied.nn import Dense, Embedding
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resumable_training.py"
 TX = optax.adam(1e-2)
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def host(tree) -> list[np.ndarray]:
@@ -75,31 +72,7 @@ def steps_on_disk(path) -> list[str]:
 
 
 def _example(*args: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
-    f = open(log, "wb")  # noqa: SIM115 - closed by the caller's wait
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    proc.log, proc.file = log, f  # type: ignore[attr-defined]
-    return proc
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 120) -> int:
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.file.close()  # type: ignore[attr-defined]
-    return code
+    return start_logged([sys.executable, str(EXAMPLE), *args], log, cpu_env(FAST_COMPILE))
 
 
 def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
@@ -118,7 +91,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
     }
     latest = {}
     for k, p in killed.items():
-        assert _wait(p) == -9, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
+        assert wait_or_kill(p) == -9, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
         with tied.CheckpointManager(tmp_path / f"k{k}", async_save=False) as listed:
             steps = listed.all_steps()
         # Only complete steps are listed: due ones, no later than the kill; the save of the last due
@@ -126,7 +99,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
         assert all(s % 5 == 0 and s <= k for s in steps) and len(steps) <= 2, (k, steps)
         assert not steps or steps[-1] >= k - k % 5 - 5, (k, steps)
         latest[k] = steps[-1] if steps else None
-    assert _wait(ref) == 0, ref.log.read_text()[-3000:]  # type: ignore[attr-defined]
+    assert wait_or_kill(ref) == 0, ref.log.read_text()[-3000:]  # type: ignore[attr-defined]
     resumed = {
         k: _example(
             "--dir", str(tmp_path / f"k{k}"), "--out", str(tmp_path / f"k{k}.npz"), log=tmp_path / f"r{k}.txt"
@@ -134,7 +107,7 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
         for k in kills
     }
     for k, p in resumed.items():
-        assert _wait(p) == 0, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
+        assert wait_or_kill(p) == 0, p.log.read_text()[-3000:]  # type: ignore[attr-defined]
         if latest[k] is not None:
             assert f"resumed from step {latest[k]} " in p.log.read_text()  # type: ignore[attr-defined]
         # No unfinished save is left behind, and the kept steps are the last two.
@@ -150,33 +123,6 @@ def test_a_run_killed_at_random_steps_resumes_bit_for_bit(tmp_path):
 
 
 # ---------------------------------------------------------------- no race
-
-
-@pytest.fixture
-def slow_writes(monkeypatch):
-    """Orbax's background writes start 0.5 s late, so the caller's next steps surely run while the
-    save is in flight (without this, a small save could finish first and hide a race)."""
-    import asyncio
-
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    def delayed(fn):
-        async def late(*args, **kwargs):
-            await asyncio.sleep(0.5)
-            return await fn(*args, **kwargs)
-
-        return late
-
-    monkeypatch.setattr(
-        ocp.type_handlers.NumpyHandler,
-        "_background_serialize",
-        delayed(ocp.type_handlers.NumpyHandler._background_serialize),
-    )
-    monkeypatch.setattr(
-        jax_array_handlers,
-        "_async_serialize_replica_slices",
-        delayed(jax_array_handlers._async_serialize_replica_slices),
-    )
 
 
 @pytest.mark.parametrize("async_save", [True, False])

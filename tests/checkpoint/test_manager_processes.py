@@ -7,7 +7,6 @@ compared bit for bit), the directory listed with ``os.listdir``, the exit status
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+from processes import FAST_COMPILE, cpu_env, start_logged, wait_or_kill
 
 import tied
 
@@ -28,36 +27,13 @@ RW = ROOT / "tests" / "multiprocess" / "manager_rw.py"
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
+    env = cpu_env(FAST_COMPILE)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
 def _start(*args: str, log: Path) -> subprocess.Popen:
-    f = open(log, "wb")  # noqa: SIM115 - closed by _wait
-    proc = subprocess.Popen(
-        [sys.executable, str(RW), *args],
-        cwd=ROOT,
-        env=_env(),
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    proc.log, proc.file = log, f  # type: ignore[attr-defined]
-    return proc
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 120) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        proc.file.close()  # type: ignore[attr-defined]
+    return start_logged([sys.executable, str(RW), *args], log, _env())
 
 
 def want(step: int) -> dict:
@@ -75,30 +51,6 @@ def check_step(path: Path, step: int) -> None:
     assert np.array_equal(np.asarray(back["embed"]["weight"]), ref["weight"])
     assert np.array_equal(np.asarray(back["bias"]), ref["bias"])
     assert np.array_equal(back["count"], ref["count"])
-
-
-@pytest.fixture
-def slow_writes(monkeypatch):
-    """Orbax's background writes of numpy and JAX arrays start 0.5 s late: a save stays in flight."""
-    from orbax.checkpoint._src.serialization import jax_array_handlers
-
-    def delayed(fn):
-        async def late(*args, **kwargs):
-            await asyncio.sleep(0.5)
-            return await fn(*args, **kwargs)
-
-        return late
-
-    monkeypatch.setattr(
-        ocp.type_handlers.NumpyHandler,
-        "_background_serialize",
-        delayed(ocp.type_handlers.NumpyHandler._background_serialize),
-    )
-    monkeypatch.setattr(
-        jax_array_handlers,
-        "_async_serialize_replica_slices",
-        delayed(jax_array_handlers._async_serialize_replica_slices),
-    )
 
 
 # ---------------------------------------------------------------- two processes
@@ -138,7 +90,7 @@ def test_a_writer_and_a_reader_process_on_one_directory_for_30_steps(tmp_path):
         ready,
         log=tmp_path / "w.txt",
     )
-    code_w, code_r = _wait(writer), _wait(reader)
+    code_w, code_r = wait_or_kill(writer), wait_or_kill(reader)
     wlog, rlog = writer.log.read_text(), reader.log.read_text()  # type: ignore[attr-defined]
     assert code_w == 0 and "writer: saved 30 steps" in wlog, wlog[-3000:]
     assert "cannot schedule" not in wlog and "Traceback" not in wlog, wlog[-3000:]
@@ -160,7 +112,7 @@ def test_a_script_that_ends_without_wait_or_close_keeps_every_step(tmp_path):
     listed and complete, no temporary directory or marker left, no error printed."""
     d = tmp_path / "run"
     p = _start("writer", str(d), "--steps", "3", log=tmp_path / "w.txt")
-    code, log = _wait(p), p.log.read_text()  # type: ignore[attr-defined]
+    code, log = wait_or_kill(p), p.log.read_text()  # type: ignore[attr-defined]
     assert code == 0 and "cannot schedule" not in log and "Traceback" not in log, log[-3000:]
     assert sorted(os.listdir(d)) == ["1", "2", "3"]
     for s in (1, 2, 3):

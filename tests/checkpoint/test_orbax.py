@@ -23,23 +23,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import models, places, sharing_groups
+from helpers import DTYPE_CASES, models, places, same_bits, sharing_groups
 from hypothesis import given
+from processes import FAST_COMPILE, pytest_on_fake_devices
 
 import tied
 from tied.nn import Chain, Dense, Embedding
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 @tied.register
@@ -124,28 +119,7 @@ def test_each_unique_array_is_stored_once_under_its_first_path(tmp_path):
     assert doc["views"] == [{"places": ["['dc'].y[1]"], "fn": "transpose", "source": "['dc'].x.content[0]"}]
 
 
-DTYPES = [
-    ml_dtypes.bfloat16,
-    np.float16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint32,
-    np.bool_,
-    ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e5m2,
-]
-CASES = [(np.dtype(d), "numpy") for d in DTYPES] + [
-    (np.dtype(d), "jax") for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)
-]
-
-
-@pytest.mark.parametrize("dt, kind", CASES, ids=str)
+@pytest.mark.parametrize("dt, kind", DTYPE_CASES, ids=str)
 def test_dtypes_round_trip_bit_for_bit(tmp_path, dt, kind):
     raw = np.random.default_rng(0).integers(0, 256, size=(3, 4 * dt.itemsize), dtype=np.uint8)
     x = raw[:, :4] % 2 == 1 if dt.kind == "b" else raw.view(dt)  # NaN payloads, -0.0, inf included
@@ -529,31 +503,7 @@ def test_threads_saving_and_loading_at_once(tmp_path):
 
 def test_eight_fake_devices():
     """tests/multiprocess/orbax_devices.py under 8 fake CPU devices, in its own process."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    # Compiling, not running, is most of these few training steps: skip LLVM's optimisations.
-    env["XLA_FLAGS"] = " ".join(
-        [*flags, "--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/multiprocess/orbax_devices.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    # Compiling, not running, is most of these few training steps: FAST_COMPILE.
+    code, report = pytest_on_fake_devices("tests/multiprocess/orbax_devices.py", FAST_COMPILE)
+    assert code == 0, report
     assert "4 passed" in report, report

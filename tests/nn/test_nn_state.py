@@ -1,7 +1,6 @@
 """tied.nn's stateful layers (BatchNorm, Dropout, KVCache), Conv2d, RMSNorm and nn.mode,
 each against an independent reference: numpy, plain jax.lax, PyTorch, Flax NNX."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from processes import pytest_on_fake_devices
 
 import tied
 from tied.nn import (
@@ -521,29 +521,8 @@ def test_dir_of_tied_nn_shows_public_names_only():
 
 def test_data_parallel_batchnorm_on_eight_fake_devices():
     """tests/multidevice/batchnorm.py under 8 fake CPU devices, in its own process."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/multidevice/batchnorm.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    code, report = pytest_on_fake_devices("tests/multidevice/batchnorm.py")
+    assert code == 0, report
     assert "1 passed" in report, report
 
 

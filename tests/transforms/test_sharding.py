@@ -6,11 +6,6 @@ several-device checks (8 fake CPU devices) run in a separate process, started by
 `test_eight_fake_devices` below.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +15,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from processes import pytest_on_fake_devices
 
 import tied
 from tied._core.graph import read_places
@@ -31,34 +27,11 @@ A = NamedSharding(MESH_A, P())  # a one-device mesh named "a"
 B = NamedSharding(MESH_B, P())  # the same device, another mesh: a different sharding
 ROWS = NamedSharding(MESH_A, P("a"))  # rows split over "a" (one device here)
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_eight_fake_devices():
     """tests/multidevice/sharded.py under 8 fake CPU devices, in its own process."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/multidevice/sharded.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
+    code, report = pytest_on_fake_devices("tests/multidevice/sharded.py")
+    assert code == 0, report
     assert "6 passed" in report, report
 
 
