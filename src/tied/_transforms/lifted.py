@@ -448,12 +448,11 @@ def remat(
 
     Examples:
         >>> import jax, jax.numpy as jnp, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d = Dense(2, 2, key=jax.random.key(0))
-        >>> model, x = Chain(d, Dense(d.weight, d.bias)), jnp.ones((1, 2))
-        >>> block = tied.remat(lambda m, x: m(x))
-        >>> g = tied.grad(lambda m: block(m, x).sum())(model)
-        >>> g.layers[0].weight is g.layers[1].weight
+        >>> emb = tied.nn.Embedding(4, 2, key=jax.random.key(0))
+        >>> model = {"embed": emb, "head": tied.nn.Dense(emb.weight)}     # a tied head
+        >>> block = tied.remat(lambda m, ids: m["head"](jnp.tanh(m["embed"](ids))))
+        >>> g = tied.grad(lambda m: block(m, jnp.array([1, 2])).sum())(model)
+        >>> g["embed"].weight is g["head"].weight                        # one total
         True
     """
     nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
