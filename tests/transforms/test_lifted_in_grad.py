@@ -143,3 +143,41 @@ def test_remat_names_a_refused_place_by_its_argument():
     with pytest.raises(tied.GraphError, match=r"^args\[0\]\['ema'\]\.value: tied.remat wrote state computed"):
         tied.grad(lambda a, o: tied.remat(f)(o, a))(x, other)
     np.testing.assert_array_equal(other["ema"].value, np.zeros(3))
+
+
+def test_an_outside_stack_put_into_the_copy_during_the_loss_is_still_refused():
+    # Found by review: the copy's objects were read when the write came, after the loss had put
+    # the caller's Stack into it; they are taken before the loss runs.
+    outside, x = build(), jnp.ones(3)
+    before = _ema_values(outside)
+
+    def loss(m, x):
+        m["tmp"] = outside  # into the gradient's copy, and out again: the structure ends unchanged
+        h, _ = tied.scan(body, x * m["a"], m["tmp"])
+        del m["tmp"]
+        return (h**2).sum()
+
+    with pytest.raises(tied.GraphError, match=r"tied.scan wrote state computed inside an enclosing"):
+        tied.grad(loss)({"a": jnp.ones(3)}, x)
+    np.testing.assert_array_equal(_ema_values(outside), before)
+
+
+def test_a_value_of_an_outer_gradient_written_into_an_inner_gradients_copy():
+    # Found by review: the inner tied.grad differentiates only v, so the scan's write is a value of
+    # the outer gradient's trace, written into the inner copy (which lives inside that trace).
+    x = jnp.ones(3)
+
+    def inner_loss(m):
+        h, _ = tied.scan(body, x, m["stack"])
+        return (m["v"] * h).sum()
+
+    def outer(m):
+        g = tied.grad(inner_loss, trainable=lambda p, a: p == "['v']")(m)
+        return (g["v"] ** 2).sum()  # g.v = h = w1 w0 x
+
+    m = {"stack": build(), "v": jnp.full(3, 2.0)}
+    g = tied.grad(outer)(m)
+    w0, w1 = np.arange(3.0), np.arange(3.0) + 1
+    # sum((w1 w0)^2): d/dw0 = 2 w1^2 w0, d/dw1 = 2 w0^2 w1 (by hand)
+    np.testing.assert_allclose(g["stack"].member["w"], np.stack([2 * w1**2 * w0, 2 * w0**2 * w1]), rtol=1e-6)
+    np.testing.assert_allclose(m["stack"].member["ema"].value, np.stack([0.1 * w0, 0.1 * w1 * w0]), rtol=1e-6)

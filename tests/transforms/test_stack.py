@@ -289,3 +289,30 @@ def test_members_that_are_arrays_and_stacks_of_stacks():
     np.testing.assert_array_equal(tied.unstack(tied.unstack(outer)[1])[2]["w"], jnp.full(2, 12.0))
     with pytest.raises(ValueError, match=r"static values"):
         tied.stack([1, 2])
+
+
+@tied.register
+class _Holder:
+    def __init__(self, c):
+        self.c = c
+
+
+@tied.register
+class _Dotted:
+    def __init__(self, own, holder, own_first):
+        if own_first:
+            setattr(self, "b.c", own)
+        self.b = holder
+        if not own_first:
+            setattr(self, "b.c", own)
+
+
+@pytest.mark.parametrize("own_first", [True, False])
+def test_places_written_alike_in_a_member_are_refused_naming_the_path(own_first):
+    # Found by review: a Stack names its stacked places by path, so an attribute named "b.c" (each
+    # member's own array) and the attribute c of b (one array in every member) were taken for one
+    # place, and members 1 and 2 silently lost their own arrays.
+    shared = _Holder(jnp.zeros((3, 2)))
+    members = [_Dotted(jnp.full(2, float(i)), shared, own_first) for i in range(3)]
+    with pytest.raises(ValueError, match=r"tied.stack: two places of a member are both written \.b\.c"):
+        tied.stack(members)

@@ -278,6 +278,14 @@ def _check_layouts(
         if not isinstance(e, dict) or "layout" not in e:
             raise bad("a layout entry has no layout")
         paths_list(e.get("places"), "a layout's places")
+        ks = e.get("place_keys")
+        if (
+            not isinstance(ks, list)
+            or len(ks) != len(e["places"])
+            or not all(isinstance(k, list) and all(isinstance(p, str) for p in k) for k in ks)
+            or any("".join(k) != p for k, p in zip(ks, e["places"]))
+        ):
+            raise bad("a layout's place_keys are not the keys of each of its places")
 
 
 def _unpack(doc: dict, bad: Callable[[str], CheckpointError]) -> None:
@@ -341,3 +349,4 @@ def _unpack(doc: dict, bad: Callable[[str], CheckpointError]) -> None:
         raise bad("'layouts' is not a list of objects")
     for e in layouts:
         e["places"] = at(e.get("at"), "a layout's 'at'")
+        e["place_keys"] = [keys(t) for t in e["at"]]

@@ -276,7 +276,11 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         shared_nodes=[[placing.paths[t] for t in ts] for ts in shared],
         views=views,
         layouts=[
-            {"places": [placing.paths[t] for t in ts], "layout": _plain(layout, ts, placing)}
+            {
+                "places": [placing.paths[t] for t in ts],
+                "place_keys": [list(placing.keys(t)) for t in ts],  # places written alike told apart
+                "layout": _plain(layout, ts, placing),
+            }
             for ts, layout in layouts
         ],
         user=user,
@@ -418,19 +422,25 @@ def _layouts_differ(where: str, doc: dict, gdef: GraphDef, placing: _Placing) ->
                 stacklevel=4,
             )
         return
-    like_ids = _ids([[placing.paths[t] for t in ts] for ts, _ in like_layouts])
-    file_ids = _ids([e["places"] for e in doc["layouts"]])
-    like_l = {p: lay for (_, lay), ids in zip(like_layouts, like_ids) for p in ids}
-    file_l = {p: e["layout"] for e, ids in zip(doc["layouts"], file_ids) for p in ids}
+    # A place is its keystr pieces from the root: two places written alike (an attribute named
+    # "s.t" and the attribute t of s) are told apart whatever the order of the attributes.
+    like_l = {tuple(placing.keys(t)): lay for ts, lay in like_layouts for t in ts}
+    file_l = {tuple(k): e["layout"] for e in doc["layouts"] for k in e["place_keys"]}
     for p in sorted(set(like_l) | set(file_l)):
         lv, fv = like_l.get(p), file_l.get(p)
         if lv == fv:
             continue
+        differ = isinstance(lv, dict) and isinstance(fv, dict) and lv.get("n") != fv.get("n")
+        why = (
+            "the number of members differs"
+            if differ
+            else "arrays of the same shapes would be read with another meaning (a broadcast array "
+            "taken for a stacked one)"
+        )
         raise CheckpointError(
-            f"{where}: the layout at {keystr(p[0])} differs: like has {_show_layout(lv)}, the file has "
-            f"{_show_layout(fv)}. Arrays of the same shapes would be read with another meaning (a "
-            "broadcast array taken for a stacked one). Build `like` as the saved model was built: the "
-            "same objects shared by every member of a tied.stack, the same number of members."
+            f"{where}: the layout at {keystr(''.join(p))} differs: like has {_show_layout(lv)}, the file "
+            f"has {_show_layout(fv)}: {why}. Build `like` as the saved model was built: the same "
+            "objects shared by every member of a tied.stack, the same number of members."
         )
 
 
@@ -439,6 +449,8 @@ def _show_layout(layout: Any) -> str:
         return "no layout there"
     if isinstance(layout, dict) and layout.get("type") == "tied.Stack":
         stacked = layout.get("stacked")
+        if isinstance(stacked, list) and not stacked:
+            return f"a tied.Stack of {layout.get('n')} members with nothing stacked (every object broadcast)"
         shown = (
             ", ".join(str(p) if p else "the member itself" for p in stacked)
             if isinstance(stacked, list)

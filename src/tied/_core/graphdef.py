@@ -301,7 +301,8 @@ class GraphDef:
 
         A type says so with a ``__tied_layout__(static)`` static method, given the node's own
         static data (a pytree's aux data) and returning plain data (JSON-able dicts, lists, str,
-        int): a `tied.Stack` describes which places of its member are stacked, and ``n``. Two
+        int), or None for nothing: a `tied.Stack` describes which places of its member are
+        stacked, and ``n``; a `tied.optim.OptState`, the Stacks of the model it was set up for. Two
         graphs whose places, shapes and dtypes agree but whose layouts differ hold arrays of
         different meaning; a strict checkpoint load compares them.
 
@@ -313,8 +314,9 @@ class GraphDef:
         for j, (kind, meta, _) in enumerate(self.records):
             k = KINDS[kind]
             describe = getattr(k.type_of(meta), "__tied_layout__", None)
-            if describe is not None:
-                out.append((j, describe(k.user_static(meta))))
+            layout = None if describe is None else describe(k.user_static(meta))
+            if layout is not None:  # None: nothing to record for this node
+                out.append((j, layout))
         return out
 
     def expand(self) -> tuple[GraphDef, tuple[int, ...]]:

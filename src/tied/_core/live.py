@@ -48,7 +48,6 @@ __all__ = [
     "restore",
     "check_written",
     "changed",
-    "node_objects",
 ]
 
 
@@ -489,24 +488,3 @@ def changed(places: list[list[Slot]], values: Sequence[Any]) -> list[Slot]:
             if slot.get(cache) is not v:
                 out.append(slot)
     return out
-
-
-def node_objects(model: Any, gdef: GraphDef) -> list:
-    """The live object of each node of ``model``, by node index (a `Place.index`), read along
-    ``gdef`` (a `flatten` of ``model`` taken just before): a node's object is read from its
-    first place's container, so the list holds every object the walk entered. A kind that
-    builds its children anew (`Kind.fresh_children`) gives the objects of this read."""
-    objs: list = [None] * gdef.num_nodes
-    if not objs:
-        return objs
-    kinds = {p.index: p.kind for p in gdef.walk_places(paths=False) if p.first and p.kind in KIND_BY_NAME}
-    objs[0] = model  # the root is the first node met
-    for j in range(len(objs)):  # a node is met after the node holding its first place
-        obj = objs[j]
-        if obj is None:
-            continue
-        children = gdef.children(j)
-        for (_, name, i), child in zip(children, KIND_BY_NAME[kinds[j]].children(obj)[0]):
-            if name != "array" and name != "static" and objs[i] is None:
-                objs[i] = child
-    return objs

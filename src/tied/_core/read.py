@@ -14,7 +14,7 @@ from typing import Any
 from .graphdef import GraphDef, _traverse
 from .kinds import KINDS, GraphError, _Mismatch
 
-__all__ = ["read_places"]
+__all__ = ["node_objects", "read_places"]
 
 
 def read_places(
@@ -96,6 +96,27 @@ class _Broadcast:
 
 
 # The state cells of `_state`: walked as registered objects (path ``.value``), marked as state.
+
+
+def node_objects(graphdef: GraphDef, model: Any) -> list:
+    """The live object of each node of ``model``, by node index (a `Place.index`), read along
+    ``graphdef`` (a `flatten` of ``model`` taken just before): a node's object is its first
+    place's child in the node holding it (records are in first-seen order, so that node comes
+    first). A kind that builds its children anew (`Kind.fresh_children`) gives this read's."""
+    records = graphdef.records
+    objs: list = [None] * len(records)
+    if not objs:
+        return objs
+    objs[0] = model  # the root is the first node met
+    for j, (kind, _, refs) in enumerate(records):
+        obj = objs[j]
+        if obj is None:
+            continue
+        for child, r in zip(KINDS[kind].children(obj)[0], refs):
+            q, m = divmod(r, 3)
+            if m == 1 and objs[q] is None:
+                objs[q] = child
+    return objs
 
 
 def _article(noun: str) -> str:

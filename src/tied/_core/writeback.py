@@ -28,8 +28,9 @@ from .graph import (
     flatten_with,
     place_paths,
 )
-from .live import WritePlan, live_lock, node_objects, slots, write, write_plan
+from .live import WritePlan, live_lock, slots, write, write_plan
 from .plans import compile_flatten
+from .read import node_objects
 
 
 def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
@@ -260,7 +261,8 @@ def escaping_tracer(
                 "enclosing transform (jax.vmap, jax.jit, tied.jit over a function that captures "
                 f"the model) into a model that lives outside it, where it would stay a dead traced "
                 f"value; {after}. Pass the model as an argument of the transform "
-                "(tied.jit(step)(model, x)), or compute the state update outside it.",
+                "(tied.jit(step)(model, x)), or compute the state update outside it (an object "
+                "made inside tied.grad's loss counts as outside: make it before and pass it in).",
                 gdef.leaf_paths()[q][0],
             )
     return None
@@ -279,12 +281,17 @@ _owners = threading.local()
 
 
 @contextlib.contextmanager
-def own_copy(copy: Any, traced: list):
-    """While the body runs, ``copy`` (a model an enclosing tied transform built inside its trace
-    and writes back itself) may receive values of the trace of ``traced`` (its traced inputs)."""
-    trace = next((getattr(x, "_trace", None) for x in traced if isinstance(x, jax.core.Tracer)), None)
+def own_copy(copy: Any, gdef: GraphDef, leaves: list):
+    """While the body runs, ``copy`` (a model an enclosing tied transform built inside its trace,
+    of structure ``gdef`` and arrays ``leaves``, which that transform writes back itself) may
+    receive values of its trace (its traced leaves') or of the traces of copies registered
+    around it. Its node objects are taken now, before the body can put other objects into it,
+    and only where a leaf is concrete (no place of a copy traced throughout is ever asked)."""
+    Tracer = jax.core.Tracer
+    trace = next((getattr(x, "_trace", None) for x in leaves if isinstance(x, Tracer)), None)
+    needed = trace is not None and not all(isinstance(x, Tracer) for x in leaves)
     stack = _owners.__dict__.setdefault("stack", [])
-    stack.append((copy, trace))
+    stack.append((node_objects(gdef, copy) if needed else [], trace))
     try:
         yield
     finally:
@@ -297,38 +304,30 @@ class _Owned:
     def __init__(self, root: Any, gdef: GraphDef):
         self.root, self.gdef = root, gdef
         self.parents: dict[int, list[int]] | None = None
-        self.objs: list | None = None
-        self.copies: dict[Any, list] = {}  # trace -> the copy's node objects (kept alive: ids stay theirs)
+        self.objs: list = []
 
     def holds(self, q: int, v: Any) -> bool:
-        """Whether every place of unique array ``q`` sits in a node of a copy registered with the
-        trace of ``v`` (a tracer of that very trace, no plain transform in between)."""
+        """Whether every place of unique array ``q`` sits in a node of one copy registered by
+        `own_copy`, and ``v`` is a tracer of that copy's trace or of the trace of a copy
+        registered around it (a trace the copy lives in), with no plain transform in between."""
         trace = getattr(v, "_trace", None)
         stack = getattr(_owners, "stack", None)
         if trace is None or not stack:
-            return False
-        ids = self._copy_nodes(stack, trace)
-        if not ids:
             return False
         if self.parents is None:
             self.parents = {}
             for p in self.gdef.walk_places(paths=False):
                 if p.kind == "array":
                     self.parents.setdefault(p.index, []).append(p.parent)
-            self.objs = node_objects(self.root, self.gdef)
-        at = self.parents.get(q, [])
-        return bool(at) and all(j >= 0 and id(self.objs[j]) in ids for j in at)  # type: ignore[index]
-
-    def _copy_nodes(self, stack: list, trace: Any) -> set[int]:
-        for copy, copy_trace in reversed(stack):
-            if copy_trace is trace:
-                if trace not in self.copies:
-                    try:
-                        self.copies[trace] = node_objects(copy, flatten(copy)[1])
-                    except GraphError:
-                        self.copies[trace] = []
-                return {id(x) for x in self.copies[trace] if x is not None}
-        return set()
+            self.objs = node_objects(self.gdef, self.root)
+        at = [self.objs[j] if j >= 0 else None for j in self.parents.get(q, [])]
+        if not at or any(x is None for x in at):
+            return False
+        for k, (nodes, _) in enumerate(stack):
+            ids = {id(x) for x in nodes}
+            if all(id(x) in ids for x in at):  # the copy holding the places, and the traces around it
+                return any(t is trace for _, t in stack[: k + 1])
+        return False
 
 
 def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:

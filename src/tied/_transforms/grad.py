@@ -189,12 +189,15 @@ def value_and_grad(
                 full[i] = p
             selected = rebuild(structure, full, materialize=True)
             before_leaves, before = flatten(selected)
+            copy = selected
             if single:
                 selected = (selected,)
             new_args = list(args)
             for i, a in zip(nums, selected):
                 new_args[i] = a
-            with own_copy(selected, params):  # tied.scan/remat inside may write this trace's values into it
+            with own_copy(
+                copy, before, before_leaves
+            ):  # tied.scan/remat inside may write this trace's values into it
                 out = fun(*new_args, **kwargs)
             # State written during the forward pass (or a parameter replaced) goes back to
             # the caller's objects after the call, as if the loss had run on them.

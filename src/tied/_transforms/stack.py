@@ -262,6 +262,7 @@ def stack(members: Iterable) -> Stack:
             raise _members_differ(i, g0, flat[i][1])
     at, seats = _joint(ms)
     places = _places(g0)
+    _refuse_alike(places)
     leaf_paths: list[list[str]] = [[] for _ in range(g0.num_leaves)]
     node_paths: list[list[str]] = [[] for _ in range(g0.num_nodes)]
     for p in places:
@@ -294,6 +295,21 @@ def stack(members: Iterable) -> Stack:
         return Stack(len(ms), ms[0], tuple(paths))  # one object in every member
     member = _assemble(g0, new_leaves, ms[0], _outer_broadcast(g0, node_stacked), Places(g0))
     return Stack(len(ms), member, tuple(paths))
+
+
+def _refuse_alike(places: list) -> None:
+    """A Stack names its stacked places by keystr path (its layout, `tied.unstack`), so two places
+    of a member written alike (an attribute named ``"b.c"`` and the attribute ``c`` of ``b``)
+    would be taken for one: refused, naming the path."""
+    seen: set[str] = set()
+    for p in places:
+        if p.path in seen:
+            raise ValueError(
+                f"tied.stack: two places of a member are both written {where(p.path)} (an attribute "
+                "whose name holds a '.' or brackets, beside the nested place it spells), and a Stack "
+                "names its stacked places by path. Rename that attribute before stacking."
+            )
+        seen.add(p.path)
 
 
 def g0_root(places: list) -> int:

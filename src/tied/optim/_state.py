@@ -9,6 +9,7 @@ difference, a model that no longer lines up with it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,6 +26,15 @@ class Layout(NamedTuple):
 
     shared: tuple[tuple[str, ...], ...]  # the places of each shared node, first place first
     state: tuple[str, ...]  # the places of every state array (never trainable)
+    # Each node with a layout (a tied.Stack): its places and its layout as sorted JSON. Shapes
+    # cannot tell a stacked array from a broadcast one whose leading axis is n; this can.
+    stacks: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+
+def layouts_of(gdef: GraphDef) -> tuple[tuple[tuple[str, ...], str], ...]:
+    """`Layout.stacks` of a model: each node's places (`GraphDef.layouts`) and its layout."""
+    paths = gdef.node_paths()
+    return tuple((tuple(paths[j]), json.dumps(lay, sort_keys=True)) for j, lay in gdef.layouts())
 
 
 class ParamSpec(NamedTuple):
@@ -127,6 +137,16 @@ class OptState:
     def tree_flatten(self):
         return (self.inner_state, self.frozen), (self.tx, self.spec, self.trainable, self.layout)
 
+    @staticmethod
+    def __tied_layout__(aux: tuple) -> dict | None:
+        """What a checkpoint records of the state beside its arrays (`GraphDef.layouts`): the
+        layouts of the model's Stacks, so that a state saved alone is not loaded into the state
+        of a model stacked otherwise whose moments have the same shapes. None without Stacks."""
+        stacks = aux[3].stacks
+        if not stacks:
+            return None
+        return {"type": "tied.OptState", "stacks": [[list(ps), json.loads(s)] for ps, s in stacks]}
+
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: Any) -> OptState:
         inner_state, frozen = children
@@ -199,6 +219,16 @@ def _place(state: OptState, leaves: list, gdef: GraphDef, mask: list[bool]) -> t
                 f"the model's array here sits at {list(paths[i])} (a tie was made or cut).",
             )
         train.append(i)
+    stacks = layouts_of(gdef)
+    if stacks != state.layout.stacks:
+        mine, theirs = dict(stacks), dict(state.layout.stacks)
+        at = next(ps for ps in sorted(set(mine) | set(theirs)) if mine.get(ps) != theirs.get(ps))
+        raise _setup_error(
+            at[0],
+            f"the optimiser state was set up for a model whose layout here is {theirs.get(at, 'none')}, but "
+            f"the model's is {mine.get(at, 'none')} (a tied.Stack stacked otherwise: moments of the same "
+            "shapes would step other arrays).",
+        )
     if sum(mask) != len(train):
         known = set(train)
         i = next(i for i, m in enumerate(mask) if m and i not in known)

@@ -27,7 +27,7 @@ from .._core import (
     write,
 )
 from .._transforms import Convention, Grads, check_convention, total_of
-from ._state import Layout, OptState, ParamSpec, Trainable, dtype_name, keyed, match_state
+from ._state import Layout, OptState, ParamSpec, Trainable, dtype_name, keyed, layouts_of, match_state
 
 # ---------------------------------------------------------------- setup
 
@@ -78,7 +78,9 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
             trainable, [p[0] for p, x, st in zip(paths, leaves, is_state) if is_param(x) and not st]
         )
     layout = Layout(
-        tuple(gdef.shared_node_paths()), tuple(p for ps, st in zip(paths, is_state) if st for p in ps)
+        tuple(gdef.shared_node_paths()),
+        tuple(p for ps, st in zip(paths, is_state) if st for p in ps),
+        layouts_of(gdef),
     )
     spec = tuple(ParamSpec(tuple(paths[i]), tuple(leaves[i].shape), dtype_name(leaves[i])) for i in train)
     seen: dict[str, int] = {}
