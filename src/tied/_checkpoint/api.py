@@ -156,12 +156,9 @@ def load_metadata(path: str | os.PathLike) -> dict:
     """The ``metadata`` given to `tied.save` for this checkpoint (after its header is checked).
 
     Examples:
-        >>> import os, tempfile, jax, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
+        >>> import os, tempfile, jax.numpy as jnp, tied
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
-        >>> tied.save(path, model, metadata={"step": 500})
+        >>> tied.save(path, {"w": jnp.zeros(3)}, metadata={"step": 500})
         >>> tied.load_metadata(path)
         {'step': 500}
     """
@@ -259,12 +256,12 @@ def load(
     Examples:
         >>> import os, tempfile, jax, tied
         >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> model = Chain(d1, Dense(d1.weight, d1.bias))    # both arrays at two places
-        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> layer = Dense(2, 2, key=jax.random.key(0))
+        >>> model = Chain(layer, layer)                     # one layer at two places
+        >>> path = os.path.join(tempfile.mkdtemp(), "shared.safetensors")
         >>> tied.save(path, model)
         >>> back = tied.load(path, like=model)
-        >>> back.layers[0].weight is back.layers[1].weight
+        >>> back.layers[0] is back.layers[1]                # one layer again
         True
 
         A file not written by `tied` (Hugging Face style: a tied weight stored

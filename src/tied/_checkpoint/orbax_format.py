@@ -299,10 +299,8 @@ def save(path: str | os.PathLike, tree: Any, metadata: Mapping[str, Any] | None 
         >>> import os, tempfile, jax, numpy as np, tied
         >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
         >>> rows = NamedSharding(Mesh(np.array(jax.devices()), ("model",)), PartitionSpec("model", None))
-        >>> def make_model(key):                           # one Embedding at two places
-        ...     emb = tied.nn.Embedding(8 * jax.device_count(), 4, key=key)
-        ...     return {"embed": emb, "head": emb}
-        >>> lm = tied.device_put(make_model(jax.random.key(0)), rows)   # split by rows
+        >>> emb = tied.nn.Embedding(8 * jax.device_count(), 4, key=jax.random.key(0))
+        >>> lm = tied.device_put({"embed": emb, "head": emb}, rows)   # one Embedding, split by rows
         >>> path = os.path.join(tempfile.mkdtemp(), "lm")
         >>> tied.save(path, lm, format="orbax")          # each process writes its rows
         >>> back = tied.load(path, like=lm)

@@ -246,10 +246,7 @@ def _remove_leftovers(target: str) -> None:
             except OSError:
                 same = False
             if same:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                _unlink_quietly(tmp)
         finally:
             os.close(fd)
 
@@ -286,14 +283,20 @@ def _atomic_write(path: str, body: Callable[[Any], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
     finally:
         os.close(fd)  # releases the lock, after the rename
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove the file ``path`` if it can be: a cleanup that fails (the file gone already, or not
+    ours to remove) is passed over, never raised over the error or the save it tidies after."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(folder: str) -> None:

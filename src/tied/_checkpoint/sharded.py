@@ -452,10 +452,7 @@ def _clean(folder: str, active: str | None) -> None:
         if _TMP in e:
             safetensors_format._remove_leftovers(os.path.join(folder, e[1 : e.index(_TMP)]))
         elif _BACKUP in e and e not in named:
-            try:
-                os.unlink(os.path.join(folder, e))
-            except OSError:
-                pass
+            safetensors_format._unlink_quietly(os.path.join(folder, e))
 
 
 def _lock_dir(folder: str) -> int | None:
@@ -521,18 +518,12 @@ def write_set(folder: str, leaves: Sequence[Any], doc: dict, limit: int) -> None
         for f in old:
             if f not in names and f != INDEX and f.endswith((".safetensors", ".safetensors.index.json")):
                 _step("remove")
-                try:
-                    os.unlink(os.path.join(folder, f))
-                except OSError:
-                    pass
+                safetensors_format._unlink_quietly(os.path.join(folder, f))
         _clean(folder, os.path.join(folder, INDEX))
         safetensors_format._fsync_dir(folder)
     except BaseException:
         for tmp, _ in held:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            safetensors_format._unlink_quietly(tmp)
         raise
     finally:
         for _, fd in held:

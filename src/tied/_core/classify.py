@@ -44,6 +44,7 @@ from .kinds import (
 )
 from .state import Rng, State, _state_cache, _state_types, equinox_state_type
 from .state import _lock as _state_lock
+from .strict import _Identity
 from .view import View
 
 # Classification of a type (cached): array, static, a node kind, or unknown.
@@ -67,21 +68,6 @@ def _guard_message(cls: type) -> str:
         "optimiser, tied.block_until_ready to wait for its arrays, or wrap it as "
         "tied.Graph(model) to hand it to any JAX function."
     )
-
-
-class _Opaque:
-    """Aux data standing for a whole tied node, equal only to itself."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Opaque and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
 
 
 def _called_from_equinox_init() -> bool:
@@ -120,7 +106,7 @@ def _refuse_jax_flatten(cls: type) -> None:
 
     def refuse(x):
         if _called_from_equinox_init():
-            return (), _Opaque(x)
+            return (), _Identity(x)  # aux data: the whole node, equal only to itself
         raise TypeError(_guard_message(cls))
 
     def refuse_unflatten(_aux, _children):

@@ -65,7 +65,8 @@ def _strict(v: Any) -> Any:
 
 
 class _Identity:
-    """Stands for an object compared by identity (its ``==`` is not trusted)."""
+    """Stands for an object compared by identity (its ``==`` is not trusted): a static's key
+    here, and the aux data of a tied node that Equinox's constructor flattens (`classify`)."""
 
     __slots__ = ("obj",)
 

@@ -17,13 +17,13 @@ from .._core import (
     Trainable,
     copy_scope,
     expand,
-    first_difference,
     flatten,
     is_param,
     own_copy,
     read_places,
     rebuild,
     refuse_dropped,
+    structure_error,
     trainable_mask,
     warn_none_selected,
     where,
@@ -155,6 +155,12 @@ def value_and_grad(
         >>> g.layers[1].bias is None                # the biases are held fixed
         True
     """
+    return _differentiate(fun, argnums, has_aux, per_location, trainable, "tied.value_and_grad")
+
+
+def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) -> Callable:
+    """`value_and_grad`, its arguments as there; ``name`` (``"tied.grad"`` or
+    ``"tied.value_and_grad"``) is the transform a refused change of structure names."""
     nums, single = _argnums(argnums)
 
     @functools.wraps(fun)
@@ -202,7 +208,7 @@ def value_and_grad(
             # State written during the forward pass (or a parameter replaced) goes back to
             # the caller's objects after the call, as if the loss had run on them.
             after_leaves, after = flatten(selected[0] if single else selected)
-            new = _written(before, before_leaves, after, after_leaves, full)
+            new = _written(before, before_leaves, after, after_leaves, full, name)
             written[:] = [i for i, _ in new]
             values = [v for _, v in new]
             return (out[0], (out[1], values)) if has_aux else (out, (None, values))
@@ -244,18 +250,14 @@ def _refusing_drops(run: Callable, structure: GraphDef, written: list) -> Callab
     return f
 
 
-def _written(before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list) -> list:
+def _written(
+    before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list, name: str
+) -> list:
     """``(input index, new value)`` for each array the loss put at an existing place of its
-    model; a change of structure is an error (it cannot be carried out of the gradient)."""
-    if after != before:
-        path, how = first_difference(before, after)
-        raise GraphError(
-            f"{how}. tied.grad: the loss changed the structure of the model it was given (a tie cut, an "
-            "attribute added or removed, a static changed), which cannot be carried out of the "
-            "gradient computation; nothing was written into your objects. Change the model "
-            "outside the loss, or write new values only into existing places (a tied.State's .value).",
-            path,
-        )
+    model; a change of structure is an error naming ``name`` (it cannot be carried out of the
+    gradient)."""
+    if after != before:  # the model's own paths (the root is what was given, not jit's args)
+        raise structure_error(before, after, f"{name}: the loss").named(where)
     # One object may stand at several inputs: cells given one array are two states, each its
     # own unique array, met in the same order in ``full`` and in the walk of the copy.
     index: dict[int, list[int]] = {}
@@ -313,16 +315,16 @@ def grad(
     unique parameter, the same object at each of its places.
 
     Examples:
-        >>> import jax, jax.numpy as jnp, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> c = Chain(d1, Dense(d1.weight, d1.bias))      # weight and bias at two places each
-        >>> x = jnp.ones((1, 2))
-        >>> g = tied.grad(lambda m: m(x).sum())(c)
-        >>> g.layers[0].weight is g.layers[1].weight    # one object: the total
+        >>> import jax.numpy as jnp, tied
+        >>> w = jnp.arange(3.0)
+        >>> model = {"enc": w, "dec": w}                  # one array at two places
+        >>> g = tied.grad(lambda m: jnp.sum(m["enc"] ** 2 + 3 * m["dec"]))(model)
+        >>> g["enc"] is g["dec"]                          # one object: the total
         True
+        >>> g["enc"].tolist()                             # 2 * w from one use, 3 from the other
+        [3.0, 5.0, 7.0]
     """
-    vg = value_and_grad(fun, argnums, has_aux, per_location=per_location, trainable=trainable)
+    vg = _differentiate(fun, argnums, has_aux, per_location, trainable, "tied.grad")
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

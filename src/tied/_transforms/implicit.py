@@ -296,14 +296,14 @@ class Grads(Mapping):
 
         Examples:
             >>> import jax, jax.numpy as jnp, tied
-            >>> from tied.nn import Chain, Dense
-            >>> d = Dense(2, 2, key=jax.random.key(0))
-            >>> c, x = Chain(d, d), jnp.ones((1, 2))
-            >>> gs = tied.gradient(lambda: c(x).sum(), tied.params(c))
-            >>> g = gs.to_tree(c)
-            >>> g.layers[0].weight is g.layers[1].weight
-            True
-            >>> bool(jnp.allclose(g.layers[0].weight, tied.grad(lambda m: m(x).sum())(c).layers[0].weight))
+            >>> layer, x = tied.nn.Dense(2, 2, key=jax.random.key(0)), jnp.ones((1, 2))
+            >>> model = {"enc": layer, "dec": layer}          # one layer at two places
+            >>> loss = lambda m: m["dec"](m["enc"](x)).sum()
+            >>> weights = tied.params(model, trainable=lambda path, a: a.ndim > 1)
+            >>> g = tied.gradient(lambda: loss(model), weights).to_tree(model)
+            >>> g["enc"].weight is g["dec"].weight, g["enc"].bias     # the bias is not a key
+            (True, None)
+            >>> bool(jnp.allclose(g["dec"].weight, tied.grad(loss)(model)["dec"].weight))
             True
         """
         with live_lock:  # not while tied.gradient has traced values in the model

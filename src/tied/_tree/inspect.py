@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 import jax
 import numpy as np
@@ -63,33 +63,21 @@ def _read(tree: Any) -> tuple[list, GraphDef]:
 _CAP = 80  # paths longer than this are shown as "..." and their last characters
 
 
-class _Spot(NamedTuple):
-    """A place as inspection keeps it: `Place` without its full path (a deep model's paths add up
-    to the square of its depth), with the path as shown (elided past ``_CAP`` characters)."""
-
-    shown: str
-    depth: int
-    kind: str
-    index: int
-    first: bool
-    type: Any
-    value: Any
-
-
 class _Dag:
     """What `GraphDef.walk_places` says, indexed: each node's children, each object's first path.
 
     Objects are ``("array", i)``, ``("static", k)`` or ``("node", j)`` with the
     walk's indices. A node's children are recorded at its first place, in order,
-    as ``(object, key)`` where key is the child's keystr piece. Paths are kept
-    only as shown (elided), so the memory and time taken here grow linearly with
-    the places, however deep.
+    as ``(object, key)`` where key is the child's keystr piece. Each place is kept
+    as the walk's `Place` with its path as shown (elided past ``_CAP`` characters),
+    never the full path (a deep model's paths add up to the square of its depth),
+    so the memory and time taken here grow linearly with the places, however deep.
     """
 
     def __init__(self, gdef: GraphDef):
-        self.places: list[_Spot] = []
+        self.places: list = []  # each a Place, its .path as shown
         self.children: dict[int, list[tuple[tuple[str, int], str]]] = {}
-        self.node: dict[int, _Spot] = {}  # node index -> its first place
+        self.node: dict[int, Any] = {}  # node index -> its first place
         self.first: dict[tuple[str, int], str] = {}  # object -> its first place, as shown
         # Each node entered (at its first place): (length of its full path, its path as shown,
         # its keystr piece, its parent node). Full paths are never built (the walk runs with
@@ -107,7 +95,7 @@ class _Dag:
                 shown = parent_shown + piece if length <= _CAP else _elide_tail(entered, p.parent, piece)
             else:
                 piece, length, shown = "", 0, _keystr("")
-            spot = _Spot(shown, p.depth, p.kind, p.index, p.first, p.type, p.value)
+            spot = p._replace(path=shown)
             self.places.append(spot)
             if p.first:
                 self.first.setdefault(obj, shown)
@@ -263,10 +251,10 @@ def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
         what = "state" if state[i] else "param" if param[i] else ""
         return _Row(shown, kind, what, str(tuple(x.shape)), _dtype(x), _size(x) if param[i] else 0, note)
 
-    def node_row(p: _Spot, params: int, note: str) -> _Row:
-        return _Row(p.shown, p.type.__name__, "state" if cells[p.index] else "", "", "", params, note)
+    def node_row(p: Any, params: int, note: str) -> _Row:
+        return _Row(p.path, p.type.__name__, "state" if cells[p.index] else "", "", "", params, note)
 
-    def view_row(p: _Spot) -> _Row:
+    def view_row(p: Any) -> _Row:
         j = p.index
         fn = dag.node[j].value
         src, _ = dag.children[j][0]
@@ -281,7 +269,7 @@ def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
                 pass
         else:
             params = tally(src)[0]
-        return _Row(p.shown, "View", "", shape, dtype, params, f"{_fn_name(fn)} of {dag.first[src]}")
+        return _Row(p.path, "View", "", shape, dtype, params, f"{_fn_name(fn)} of {dag.first[src]}")
 
     open_nodes: list[int] = []  # the nodes above the current place, by depth
     under_view: list[bool] = []
@@ -295,7 +283,7 @@ def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
         if p.depth and under_view[p.depth - 1] and not p.first:
             continue
         if p.kind == "array":
-            rows.append(array_row(p.shown, p.index, "" if p.first else f"tied to {dag.first[obj]}"))
+            rows.append(array_row(p.path, p.index, "" if p.first else f"tied to {dag.first[obj]}"))
             continue
         if not p.first:
             if p.index in open_nodes:

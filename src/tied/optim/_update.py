@@ -55,18 +55,17 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
             named ``"a.b"`` beside ``.a.b``), which optax's dict cannot hold.
 
     Examples:
-        >>> import jax, jax.numpy as jnp, optax, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
-        >>> state = tied.optim.setup(optax.adam(1e-3), c)
+        >>> import jax.numpy as jnp, optax, tied
+        >>> w = jnp.ones((3, 2))
+        >>> model = {"embed": w, "head": w, "bias": jnp.zeros(3)}   # the weight at two places
+        >>> state = tied.optim.setup(optax.adam(1e-3), model)
         >>> state
         OptState(2 unique parameters)
-        >>> sorted(state.inner_state[0].mu)            # weight and bias: one moment each
-        ['.layers[0].bias', '.layers[0].weight']
-        >>> state = tied.optim.setup(optax.adam(1e-3), c, trainable=lambda p, a: a.ndim > 1)
+        >>> sorted(state.inner_state[0].mu)      # one moment per array, under its first place
+        ["['bias']", "['embed']"]
+        >>> state = tied.optim.setup(optax.adam(1e-3), model, trainable=lambda p, a: a.ndim > 1)
         >>> state.paths
-        ('.layers[0].weight',)
+        ("['embed']",)
     """
     leaves, gdef = flatten(model)
     mask = trainable_mask(gdef, leaves, trainable)
@@ -277,13 +276,13 @@ def update_inplace(
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, tied
-        >>> from tied.nn import Chain, Dense
-        >>> d1 = Dense(2, 2, key=jax.random.key(0))
-        >>> c = Chain(d1, Dense(d1.weight, d1.bias))    # weight and bias, two places each
-        >>> old = d1.weight
-        >>> state = tied.optim.setup(optax.adam(1e-3), c)
-        >>> state = tied.optim.update_inplace(state, c, tied.grad(lambda m: m(jnp.ones(2)).sum())(c))
-        >>> d1.weight is c.layers[1].weight, d1.weight is old   # d1 now holds the new array
+        >>> layer = tied.nn.Dense(2, 2, key=jax.random.key(0))
+        >>> model = {"enc": layer, "dec": layer}            # one layer at two places
+        >>> old = layer.weight
+        >>> state = tied.optim.setup(optax.sgd(0.1), model)
+        >>> grads = tied.grad(lambda m: m["dec"](m["enc"](jnp.ones(2))).sum())(model)
+        >>> state = tied.optim.update_inplace(state, model, grads)
+        >>> model["enc"] is layer, layer.weight is old      # the same layer, now holding the new array
         (True, False)
     """
     with live_lock:
