@@ -59,17 +59,31 @@ def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
     return meta or ("", "the structure changed")
 
 
-def structure_error(before: GraphDef, after: GraphDef, who: str) -> GraphError:
-    """The refusal of a call that changed an argument's structure, at the first difference."""
+_REBIND = (
+    "Build and return a new model instead (tied.replace, tied.tie and tied.optim.update return new "
+    "graphs) and rebind it, or make the change outside the compiled function."
+)
+
+
+def structure_error(
+    before: GraphDef,
+    after: GraphDef,
+    who: str,
+    *,
+    out_of: str = "a compiled function",
+    advice: str = _REBIND,
+    name: Any = None,
+) -> GraphError:
+    """The refusal of a call that changed an argument's structure, at the first difference:
+    ``who`` changed it, which cannot be carried ``out_of`` what ran; ``advice`` says what to do
+    instead; ``name`` shows the path as the caller knows it (by default `tied.jit`'s ``args[0]...``)."""
     path, how = first_difference(before, after)
     return GraphError(
-        f"{how}. {who} changed the structure of an argument "
-        "(a tie cut, an attribute added or removed, a static changed), which cannot be "
-        "carried out of a compiled function; nothing was written into your objects. Build "
-        "and return a new model instead (tied.replace, tied.tie and tied.optim.update "
-        "return new graphs) and rebind it, or make the change outside the compiled function.",
+        f"{how}. {who} changed the structure of an argument (a tie cut, an attribute added or "
+        f"removed, a static changed), which cannot be carried out of {out_of}; nothing was "
+        f"written into your objects. {advice}",
         path,
-        name=place_name,
+        name=name or place_name,
     )
 
 

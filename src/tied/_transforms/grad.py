@@ -257,7 +257,15 @@ def _written(
     model; a change of structure is an error naming ``name`` (it cannot be carried out of the
     gradient)."""
     if after != before:  # the model's own paths (the root is what was given, not jit's args)
-        raise structure_error(before, after, f"{name}: the loss").named(where)
+        raise structure_error(
+            before,
+            after,
+            f"{name}: the loss",
+            out_of="the gradient computation",
+            advice="Change the model outside the loss, or write new values only into existing places "
+            "(a tied.State's .value).",
+            name=where,
+        )
     # One object may stand at several inputs: cells given one array are two states, each its
     # own unique array, met in the same order in ``full`` and in the walk of the copy.
     index: dict[int, list[int]] = {}

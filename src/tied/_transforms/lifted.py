@@ -27,10 +27,10 @@ import jax
 from .._core import (
     GraphDef,
     GraphError,
-    first_difference,
     flatten,
     place_name,
     rebuild,
+    structure_error,
     where,
     write_back,
 )
@@ -48,13 +48,13 @@ def _read_writes(who: str, gdef: GraphDef, given: list, copy: Any, name: Callabl
     a change of structure is a `GraphError` naming the first difference."""
     after_leaves, after = flatten(copy)
     if after != gdef:
-        path, how = first_difference(gdef, after)
-        raise GraphError(
-            f"{how}. {who}: the function changed the structure of an argument (a tie cut, an "
-            "attribute added or removed, a static changed), which cannot be carried out of the "
-            "transform; nothing was written into your objects. Write new values only into "
-            "existing places (a tied.State's .value), or change the model outside.",
-            path,
+        raise structure_error(
+            gdef,
+            after,
+            f"{who}: the function",
+            out_of="the transform",
+            advice="Write new values only into existing places (a tied.State's .value), or change "
+            "the model outside.",
             name=name,
         )
     return after_leaves, [q for q, (a, b) in enumerate(zip(after_leaves, given)) if a is not b]
