@@ -83,3 +83,21 @@ def test_overflow_under_plain_jax_jit_of_a_graph_raises_too():
         _, g = step(g, x[:, t : t + 1])
     with pytest.raises(Exception, match=MATCH):
         jax.block_until_ready(step(g, x[:, 4:5]))
+
+
+def test_an_ensemble_of_caches_under_tied_vmap_overflows_loudly_and_fits_silently():
+    """The check runs inside a cond (no host call while the cache fits); under vmap the cond's
+    predicate is batched, and the check still raises when any member overflows."""
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    caches = tied.stack([block.attn.cache(4, batch_shape=(1,)) for _ in range(2)])
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    step = tied.jit(tied.vmap(lambda c, xt: block.decode(xt, c), in_axes=(0, None)))
+    y = step(caches, x[:, :2])
+    ref = block.decode(x[:, :2], block.attn.cache(4, batch_shape=(1,)))  # eager, one member
+    np.testing.assert_allclose(y[0], ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(caches.member.position.value, [2, 2])
+    with pytest.raises(
+        Exception, match=r"KVCache: 2 positions are written and 3 more do not fit in max_len=4"
+    ):
+        jax.block_until_ready(step(caches, x[:, 2:5]))
+    np.testing.assert_array_equal(caches.member.position.value, [2, 2])  # nothing written back

@@ -102,7 +102,15 @@ def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
         # where a write past the end would be clamped onto the last rows, a wrong answer that
         # raises nothing. So the check runs then, as a callback that raises (Equinox's error_if
         # does the same with its own machinery): the call fails, and nothing is written back.
-        jax.debug.callback(_overflow, pos + seq > cache.max_len, pos, seq, cache.max_len)
+        # Inside a cond, so a step that fits makes no host call (one per decoded token cost 6x).
+        bad = pos + seq > cache.max_len
+        jax.lax.cond(
+            jnp.any(bad),
+            lambda b, p: jax.debug.callback(_overflow, b, p, seq, cache.max_len),
+            lambda b, p: None,
+            bad,
+            pos,
+        )
     if tuple(cache.keys.value.shape[1:]) != (*lead, heads, hd):
         raise ValueError(
             f"KVCache: the cache holds keys of shape {tuple(cache.keys.value.shape)} = (max_len, "
