@@ -2,6 +2,7 @@
 mode. See README.md beside this file.
 """
 
+from .checks import check
 from .grad import Convention, accumulate, check_convention, grad, is_param, total_of, value_and_grad
 from .implicit import Grads, Params, gradient, params
 from .jit import Graph, block_until_ready, jit
@@ -18,6 +19,7 @@ __all__ = [
     "Stack",
     "accumulate",
     "block_until_ready",
+    "check",
     "check_convention",
     "data_parallel",
     "device_put",

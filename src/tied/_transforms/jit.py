@@ -30,6 +30,7 @@ from .._core import (
     write_back,
 )
 from . import explain
+from .checks import check_scope, run_checks
 from .grad import is_total, mark_total
 from .sharding import _describe_sharding, _same_layout, leaf_shardings
 
@@ -159,13 +160,14 @@ class _Output:
     """What the traced function of `tied.jit` returns: the unique output arrays, with the
     output's GraphDef and the positions of tied's total gradients as static auxiliary data."""
 
-    __slots__ = ("leaves", "graphdef", "totals", "written")
+    __slots__ = ("leaves", "graphdef", "totals", "written", "checks")
 
-    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[int, ...], written: Any):
+    def __init__(self, leaves: list, graphdef: GraphDef, totals: tuple[int, ...], written: Any, checks=()):
         self.leaves, self.graphdef, self.totals, self.written = leaves, graphdef, totals, written
+        self.checks = checks  # `checks.check`s made in the trace: their values end ``leaves``
 
     def tree_flatten(self):
-        return self.leaves, (self.graphdef, self.totals, self.written)
+        return self.leaves, (self.graphdef, self.totals, self.written, self.checks)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves) -> _Output:
@@ -302,7 +304,8 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         for i, v in statics:
             args[i] = v
         held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
-        out = fun(*args, **dyn_kwargs, **dict(kw_static))
+        with check_scope(both) as checks:  # values checked after the call (a cache's position)
+            out = fun(*args, **dyn_kwargs, **dict(kw_static))
         out_leaves, out_gdef = flatten(out)
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
@@ -333,7 +336,13 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         # The output's structure, which of its arrays are tied's own total gradients, and
         # what was written travel back through JAX as static auxiliary data.
         totals = tuple(i for i, x in enumerate(out_leaves) if is_total(x))
-        return _Output(out_leaves + new_values, out_gdef, totals, _Written(tuple(written)))
+        return _Output(
+            out_leaves + new_values + checks.values,
+            out_gdef,
+            totals,
+            _Written(tuple(written)),
+            tuple(checks.checks),
+        )
 
     def flat_fun(donated_leaves, kept_leaves):
         with copy_scope() as scope:  # state a plain JAX transform inside fun dropped: refused
@@ -442,10 +451,14 @@ class Jitted:
             raise better from e
         written = out.written.indices
         out_leaves = out.leaves
+        if out.checks:  # before anything is written back: a failed check leaves the caller as it was
+            n_checked = len(out_leaves) - sum(1 + n for _, n in out.checks)
+            run_checks(out.checks, out_leaves[n_checked:])
+            out_leaves = out_leaves[:n_checked]
         if written:
             n_out = len(out_leaves) - len(written)
-            out_leaves = out.leaves[:n_out]
-            write_back(root, gdef, written, out.leaves[n_out:], "tied.jit", leaves)
+            write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves)
+            out_leaves = out_leaves[:n_out]
         for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
             mark_total(out_leaves[i])
         return rebuild(out.graphdef, out_leaves)

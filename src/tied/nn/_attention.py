@@ -3,6 +3,7 @@ writes (its overflow is an error eagerly and under `tied.jit`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import State
+from .._transforms import check
 from .._tree import register
 from ._checks import _check_size
 from ._dense import Dense
@@ -80,7 +82,7 @@ class KVCache:
         return tuple(self.keys.value.shape)[0]
 
 
-def _overflow(bad: Any, pos: Any, seq: int, max_len: int) -> None:
+def _overflow(bad: Any, pos: Any, *, seq: int, max_len: int) -> None:
     """Raise when ``seq`` more positions after ``pos`` do not fit in the cache (batched under vmap)."""
     if np.any(bad):
         first = int(np.max(np.asarray(pos)))
@@ -95,22 +97,10 @@ def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
     ``q`` to every cached position up to its own; advances ``position`` by ``seq``."""
     *lead, seq, heads, hd = q.shape
     pos = cache.position.value
-    if not isinstance(pos, jax.core.Tracer):
-        _overflow(int(pos) + seq > cache.max_len, pos, seq, cache.max_len)
-    else:
-        # Traced (under tied.jit, jax.jit, scan): the position is known only when the program runs,
-        # where a write past the end would be clamped onto the last rows, a wrong answer that
-        # raises nothing. So the check runs then, as a callback that raises (Equinox's error_if
-        # does the same with its own machinery): the call fails, and nothing is written back.
-        # Inside a cond, so a step that fits makes no host call (one per decoded token cost 6x).
-        bad = pos + seq > cache.max_len
-        jax.lax.cond(
-            jnp.any(bad),
-            lambda b, p: jax.debug.callback(_overflow, b, p, seq, cache.max_len),
-            lambda b, p: None,
-            bad,
-            pos,
-        )
+    # Traced, the position is known only when the program runs, where a write past the end would
+    # be clamped onto the last rows (a wrong answer that raises nothing): checked then, before
+    # anything is written back (eagerly at once; see `tied._transforms.checks`).
+    check(pos + seq > cache.max_len, functools.partial(_overflow, seq=seq, max_len=cache.max_len), pos)
     if tuple(cache.keys.value.shape[1:]) != (*lead, heads, hd):
         raise ValueError(
             f"KVCache: the cache holds keys of shape {tuple(cache.keys.value.shape)} = (max_len, "

@@ -1,0 +1,94 @@
+"""Checks of values known only when a compiled program runs (a cache position), raised loudly.
+
+A layer that must refuse a value it cannot see at trace time (a `KVCache` written past its end,
+which JAX would clamp onto its last rows: a wrong answer that raises nothing) calls
+`check(bad, fail, *operands)`: ``fail(bad, *operands)`` raises when ``bad`` holds anywhere.
+
+* Concrete values (eager code): checked at once.
+* Traced by `tied.jit` itself (the function's own trace, not a body of a transform inside it):
+  ``bad`` and the operands become outputs of the compiled program, and `tied.jit` calls ``fail``
+  on their values after the call, before anything is written back. The program holds no host
+  callback, so JAX keeps its C++ dispatch path (a callback in a decode step made a 64-token
+  decode 4.5x the hand-written one: every call went through Python dispatch).
+* Anywhere else in a traced program (a `tied.scan` body, `jax.jit`, `jax.vmap`): a host callback
+  inside a ``cond``, called only when ``bad`` holds (batched under ``vmap``: ``fail`` looks at
+  every example), as Equinox's ``error_if`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["CheckScope", "check", "check_scope", "run_checks"]
+
+_scopes = threading.local()
+
+
+class CheckScope:
+    """The checks made in one `tied.jit` trace: for each, ``(fail, number of operands)``, and the
+    flags and operands to return from the program (``values``)."""
+
+    __slots__ = ("trace", "checks", "values")
+
+    def __init__(self, trace: Any):
+        self.trace = trace
+        self.checks: list[tuple[Callable[..., None], int]] = []
+        self.values: list = []
+
+
+@contextlib.contextmanager
+def check_scope(leaves: list):
+    """Open the scope of a `tied.jit` trace whose input arrays are ``leaves`` (its tracers)."""
+    trace = next((getattr(x, "_trace", None) for x in leaves if isinstance(x, jax.core.Tracer)), None)
+    stack = _scopes.__dict__.setdefault("stack", [])
+    scope = CheckScope(trace)
+    stack.append(scope)
+    try:
+        yield scope
+    finally:
+        stack.pop()
+
+
+def check(bad: Any, fail: Callable[..., None], *operands: Any) -> None:
+    """Have ``fail(bad, *operands)`` called on the values of ``bad`` and ``operands``: at once when
+    they are concrete, after the call under `tied.jit`, else from the running program (see the
+    module). ``fail`` raises when ``bad`` holds anywhere and returns otherwise."""
+    if not any(isinstance(x, jax.core.Tracer) for x in (bad, *operands)):
+        fail(np.asarray(bad), *(np.asarray(x) for x in operands))
+        return
+    stack = getattr(_scopes, "stack", None)
+    scope = stack[-1] if stack else None
+    trace = getattr(bad, "_trace", None)
+    if scope is not None and trace is not None and trace is scope.trace:
+        if all(getattr(x, "_trace", trace) is trace for x in operands):
+            scope.checks.append((fail, len(operands)))
+            scope.values.extend([jnp.any(bad), *operands])
+            return
+    jax.lax.cond(
+        jnp.any(bad),
+        lambda b, *xs: jax.debug.callback(fail, b, *xs),
+        lambda b, *xs: None,
+        bad,
+        *operands,
+    )
+
+
+def run_checks(checks: tuple, values: list) -> None:
+    """After a `tied.jit` call: call each check's ``fail`` on the values the program returned
+    (``values``: each check's flag then its operands), before anything is written back. Under
+    another transform (the values are tracers), the checks are made again at its level."""
+    at = 0
+    for fail, n in checks:
+        flag, operands = values[at], values[at + 1 : at + 1 + n]
+        at += 1 + n
+        if isinstance(flag, jax.core.Tracer):
+            check(flag, fail, *operands)
+        elif bool(flag):
+            fail(np.asarray(flag), *(np.asarray(x) for x in operands))
