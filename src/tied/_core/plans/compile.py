@@ -52,6 +52,7 @@ from ..kinds import (
     _pytree_def,
     _registry,
 )
+from ..refs import LEAF, NODE, STATIC, TAGS, split_ref
 from ..strict import _same_strict, _strict
 from ..view import View
 from .loops import (
@@ -197,11 +198,11 @@ def compile_flatten(
     # node's object, the other's child at that key (read too: every record's children are)
     # would be that array, which the GraphDef puts there for no other record, so the arrays'
     # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
-    places = collections.Counter(r for _, _, rs in records for r in rs if r % 3 == 0)
+    places = collections.Counter(r for _, _, rs in records for r in rs if r % TAGS == LEAF)
     # An array below a state cell may be the very object of another such place (two cells
     # given one array are two states): it tells no node apart, and is not checked distinct.
     state = gdef.state_leaves()
-    own = frozenset(r for r, c in places.items() if c == 1 and not state[r // 3])
+    own = frozenset(r for r, c in places.items() if c == 1 and not state[r // TAGS])
     looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
     element_slices: list[str] = []
     skip = 0
@@ -244,13 +245,13 @@ def compile_flatten(
                 looped_nodes += run.count
             skip = run.count * run.places - 1
             continue
-        q, m = divmod(r, 3)
-        if m == 2:
+        tag, q = split_ref(r)
+        if tag == STATIC:
             statics.append(f"s{q}")
             static_values.append(gdef.statics[q])
             emit(f" s{q} = {expr}")
             continue
-        if m == 0:
+        if tag == LEAF:
             if q in seen_leaf:
                 emit(f" if {expr} is not {leaf(q)}: raise M")
             else:
@@ -271,7 +272,7 @@ def compile_flatten(
             typ = "list" if kind == LIST else "tuple"
             emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
             child_expr[q] = [f"{v}[{k}]" for k in range(n)]
-            leaf_qs = [c // 3 for c in refs if c % 3 == 0]
+            leaf_qs = [c // TAGS for c in refs if c % TAGS == LEAF]
             if q in lay.bulk:  # arrays all seen here first: the sequence holds them
                 held(leaf_qs[0], leaf_qs[0] + n, v)
                 bulk.add(q)
@@ -301,7 +302,7 @@ def compile_flatten(
                 emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
             child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
             if q in lay.bulk:  # arrays all seen here first: read them in one statement
-                first = refs[0] // 3
+                _, first = split_ref(refs[0])
                 read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
                 emit(f" RD{q} = {read}")
                 held(first, first + n, f"RD{q}")
@@ -450,6 +451,11 @@ def _identity_hashed(record: tuple) -> bool:
     return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
 
 
+# How a built plan names a child, by its reference's tag: the leaves in L, the nodes in locals
+# n{j}, the statics in S.
+_REF_EXPR = {LEAF: "L[{}]", NODE: "n{}", STATIC: "S[{}]"}
+
+
 # A generated-code emitter (as `compile_flatten`): the constructor calls in build order.
 def compile_unflatten(
     gdef: GraphDef, materialize: bool, max_lines: int = MAX_PLAN_LINES
@@ -474,8 +480,8 @@ def compile_unflatten(
     const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
 
     def ref(r: int) -> str:
-        q, m = divmod(r, 3)
-        return ("L[{}]", "n{}", "S[{}]")[m].format(q)
+        tag, q = split_ref(r)
+        return _REF_EXPR[tag].format(q)
 
     def args(refs: tuple, j: int = -1) -> str:
         """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
@@ -490,11 +496,12 @@ def compile_unflatten(
                 i += run.count
                 continue
             r, e = refs[i], i + 1
-            if r % 3 == 0:
-                while e < len(refs) and refs[e] == refs[e - 1] + 3 and (j < 0 or e not in starts):
+            tag, q = split_ref(r)
+            if tag == LEAF:  # consecutive arrays: references TAGS apart
+                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and (j < 0 or e not in starts):
                     e += 1
             if e - i >= 4:
-                items.append(f"*L[{r // 3}:{r // 3 + e - i}]")
+                items.append(f"*L[{q}:{q + e - i}]")
             else:
                 items.extend(ref(x) for x in refs[i:e])
             i = e
