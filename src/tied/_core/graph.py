@@ -381,6 +381,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     enter, cells = _enter(leaves, records, statics, memo, stack, open_immutable, post)
     cell_leaves = cells[0]
     type_cache = _type_cache
+    tags, node, static = TAGS, NODE, STATIC  # locals: read once per place below
     try:
         result = enter(tree)
         while stack:
@@ -394,17 +395,17 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
                 if k is _ARRAY:
                     if in_cell:  # below a state cell: an array of its own at this place
                         cell_leaves.append(len(leaves))
-                        refs.append(TAGS * len(leaves))  # LEAF is 0
+                        refs.append(tags * len(leaves))  # LEAF is 0
                         leaves.append(c)
                         continue
                     r = get(id(c))
                     if r is None:
-                        r = TAGS * len(leaves)
+                        r = tags * len(leaves)
                         memo[id(c)] = r
                         leaves.append(c)
                     refs.append(r)
                 elif k is _STATIC:
-                    refs.append(TAGS * len(statics) + STATIC)
+                    refs.append(tags * len(statics) + static)
                     statics.append(c)
                 else:
                     frame[4] = i  # a failure inside names this child's path
@@ -420,7 +421,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
             j, k, meta, _, _, refs, _ = frame
             records[j] = (k, meta, tuple(refs))
             post.append(j)
-            r = TAGS * j + NODE
+            r = tags * j + node
             if k not in _MUTABLE:
                 open_immutable.discard(r)
             if stack:
@@ -537,22 +538,23 @@ def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) 
     table[LEAF : TAGS * len(leaves) + LEAF : TAGS] = leaves
     table[STATIC : TAGS * len(statics) + STATIC : TAGS] = statics
     get = table.__getitem__
+    tags, node = TAGS, NODE  # locals: read once per node below
     mutable, post = rebuild_order(graphdef)
     for j in mutable:
         kind, meta, _ = records[j]
-        table[TAGS * j + NODE] = KINDS[kind].shell(meta)
+        table[tags * j + node] = KINDS[kind].shell(meta)
     for j in post:
         kind, meta, refs = records[j]
         children = list(map(get, refs))
         if kind in _MUTABLE:
-            KINDS[kind].fill(meta, table[TAGS * j + NODE], children)
+            KINDS[kind].fill(meta, table[tags * j + node], children)
         elif materialize and KINDS[kind].materializes:
             try:
-                table[TAGS * j + NODE] = KINDS[kind].materialize(meta, children)
+                table[tags * j + node] = KINDS[kind].materialize(meta, children)
             except Exception as e:
                 raise view_failed(graphdef, j, meta, children[0], e) from e
         else:
-            table[TAGS * j + NODE] = KINDS[kind].make(meta, children)
+            table[tags * j + node] = KINDS[kind].make(meta, children)
     return table[graphdef.root]
 
 

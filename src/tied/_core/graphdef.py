@@ -447,23 +447,25 @@ def _traverse(
     on_path.add(root)
     # A frame: [node, next child, path, depth of its children].
     stack: list[list] = [[root // TAGS, 0, "", 1]]
+    tags, leaf, node, static = TAGS, LEAF, NODE, STATIC  # locals: read once per place below
     while stack:
         frame = stack[-1]
         j, i, path, depth = frame
         kind, meta, refs = records[j]
         if i >= len(refs):
             stack.pop()
-            on_path.discard(TAGS * j + NODE)
+            on_path.discard(tags * j + node)
             continue
         frame[1] = i + 1
         r = refs[i]
         child = path + KINDS[kind].key(meta, i, len(refs)) if paths else ""
-        if r % TAGS == STATIC:
+        tag = r % tags
+        if tag == static:
             yield child, depth, r, True, j, i
             continue
         first = r not in seen
         seen.add(r)
-        if r % TAGS == LEAF:
+        if tag == leaf:
             yield child, depth, r, first, j, i
             continue
         if expand_shared and r in on_path:
@@ -479,7 +481,7 @@ def _traverse(
         yield child, depth, r, first, j, i
         if first or expand_shared:
             on_path.add(r)
-            stack.append([r // TAGS, 0, child, depth + 1])
+            stack.append([r // tags, 0, child, depth + 1])
 
 
 class _Places:

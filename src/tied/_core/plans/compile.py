@@ -245,7 +245,7 @@ def compile_flatten(
                 looped_nodes += run.count
             skip = run.count * run.places - 1
             continue
-        tag, q = split_ref(r)
+        q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
         if tag == STATIC:
             statics.append(f"s{q}")
             static_values.append(gdef.statics[q])
@@ -480,7 +480,7 @@ def compile_unflatten(
     const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
 
     def ref(r: int) -> str:
-        tag, q = split_ref(r)
+        q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
         return _REF_EXPR[tag].format(q)
 
     def args(refs: tuple, j: int = -1) -> str:
@@ -496,11 +496,11 @@ def compile_unflatten(
                 i += run.count
                 continue
             r, e = refs[i], i + 1
-            tag, q = split_ref(r)
-            if tag == LEAF:  # consecutive arrays: references TAGS apart
+            if r % TAGS == LEAF:  # consecutive arrays: references TAGS apart
                 while e < len(refs) and refs[e] == refs[e - 1] + TAGS and (j < 0 or e not in starts):
                     e += 1
             if e - i >= 4:
+                q = r // TAGS
                 items.append(f"*L[{q}:{q + e - i}]")
             else:
                 items.extend(ref(x) for x in refs[i:e])

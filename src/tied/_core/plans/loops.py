@@ -220,7 +220,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
             outside_places += ext.refcount[jj]
         mapped = []
         for r in refs:
-            tag, x = split_ref(r)
+            x, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
             if tag == LEAF:
                 mapped.append(("l", x - lo) if lo <= x < hi else ("L", x))
             elif tag == NODE:
@@ -277,7 +277,7 @@ def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
     there whose subtrees have the same sizes: only those are compared in full."""
     sizes = []
     for r in refs:
-        tag, j = split_ref(r)
+        j, tag = divmod(r, TAGS)
         if tag != NODE or ext.refcount[j] != 1 or ext.start[j] is None:
             sizes.append(None)
             continue
