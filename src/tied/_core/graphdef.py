@@ -607,12 +607,13 @@ def post_order(gdef: GraphDef) -> tuple:
         root = gdef.root // TAGS
         seen[root] = 1
         stack = [(root, iter(records[root][2]))]
+        tags, node = TAGS, NODE  # locals: read once per reference below
         while stack:
             j, refs = stack[-1]
             for r in refs:
-                if r % TAGS == NODE and not seen[r // TAGS]:
-                    seen[r // TAGS] = 1
-                    stack.append((r // TAGS, iter(records[r // TAGS][2])))
+                if r % tags == node and not seen[r // tags]:
+                    seen[r // tags] = 1
+                    stack.append((r // tags, iter(records[r // tags][2])))
                     break
             else:
                 stack.pop()

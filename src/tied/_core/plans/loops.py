@@ -147,6 +147,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
     leaves = statics = nodes = 0
     p = 1
     stack: list[list[int]] = []
+    tags, leaf, static = TAGS, LEAF, STATIC  # locals: read once per place below
     if gdef.root % TAGS == NODE:
         if gdef.root != node_ref(0):  # a walk numbers the root first
             return None
@@ -164,8 +165,8 @@ def _extents(gdef: GraphDef) -> _Extents | None:
         r = refs[i]
         order.append((j, i, r))
         p += 1
-        x, tag = divmod(r, TAGS)
-        if tag == LEAF:
+        x, tag = divmod(r, tags)
+        if tag == leaf:
             leaf_places[x] += 1
             if seen_leaf[x]:
                 all_new[j] = False
@@ -176,7 +177,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
                 leaves += 1
             continue
         all_new[j] = False
-        if tag == STATIC:
+        if tag == static:
             if x != statics:  # statics numbered by place, in walk order
                 return None
             statics += 1
@@ -209,6 +210,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
         return None
     records, strict_records, strict_statics = gdef.records, key[2], key[3]
     inside = outside_places = 0
+    tags, leaf, node = TAGS, LEAF, NODE  # locals: read once per reference below
     # Which of its own arrays have no other place in the whole graph (see flatten_loop).
     unique = _unique(gdef, ext, lo, hi)
     sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
@@ -220,10 +222,10 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
             outside_places += ext.refcount[jj]
         mapped = []
         for r in refs:
-            x, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
-            if tag == LEAF:
+            x, tag = divmod(r, tags)  # split_ref's arithmetic, inline: once per reference
+            if tag == leaf:
                 mapped.append(("l", x - lo) if lo <= x < hi else ("L", x))
-            elif tag == NODE:
+            elif tag == node:
                 if j <= x < ne:
                     if x <= jj:  # back to a node above (a cycle), or shared inside: not looped
                         return None
