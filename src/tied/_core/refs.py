@@ -7,10 +7,12 @@ the child is and which one: leaf (unique array) ``i`` is ``TAGS * i + LEAF``, no
 twice, and references of one sort are ``TAGS`` apart. ``LEAF`` is 0: a leaf's reference is
 ``TAGS * i``, and a table indexed by reference holds the leaves at ``[LEAF::TAGS]``.
 
-The builders and `split_ref` are for readers that go at a Python call's pace. The walk
-(`graph._walk`), the traversal (`graphdef._traverse`) and their per-place loops spend a
-call's cost per reference otherwise: they write the same arithmetic inline with these
-names (``TAGS * j + NODE``, ``divmod(r, TAGS)``, ``r % TAGS == LEAF``).
+The builders and `split_ref` are for readers that go at a Python call's pace. The loops
+that run once per place or per reference (the walk, `graph._walk`; the traversal,
+`graphdef._traverse`; the layout replay and the generators in `plans/`) would spend a
+call's cost on each: they write the same arithmetic inline with these names (``TAGS * j
++ NODE``, ``divmod(r, TAGS)``, ``r % TAGS == LEAF``), the hottest from locals bound to them
+(``tags, node = TAGS, NODE``), since a global costs more to read than a literal.
 """
 
 from __future__ import annotations
