@@ -225,7 +225,7 @@ class _FlattenEmitter:
         # An array below a state cell may be the very object of another such place (two cells
         # given one array are two states): it tells no node apart, and is not checked distinct.
         self.state = state = gdef.state_leaves()
-        self.own = frozenset(r for r, c in places.items() if c == 1 and not state[r // TAGS])
+        self.own = frozenset(r for r, c in places.items() if c == 1 and not state[r // tags])
         self.looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
         self.element_slices: list[str] = []
 

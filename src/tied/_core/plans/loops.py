@@ -278,9 +278,10 @@ def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
     """The positions of children that sit in a run of at least `LOOP_MIN` nodes first met
     there whose subtrees have the same sizes: only those are compared in full."""
     sizes = []
+    tags, node = TAGS, NODE  # locals: read once per reference below
     for r in refs:
-        j, tag = divmod(r, TAGS)
-        if tag != NODE or ext.refcount[j] != 1 or ext.start[j] is None:
+        j = r // tags
+        if r % tags != node or ext.refcount[j] != 1 or ext.start[j] is None:
             sizes.append(None)
             continue
         p0, lo, slo = ext.start[j]
