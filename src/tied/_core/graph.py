@@ -69,6 +69,7 @@ from .plans import (
     unflatten_lines,
 )
 from .read import read_places
+from .refs import LEAF, NODE, STATIC, TAGS, split_ref
 
 __all__ = [
     "GraphDef",
@@ -292,10 +293,10 @@ def _value_record(k: int, x: Any, records: list, statics: list, post: list) -> i
     post.append(j)  # complete at once: it holds no node
     refs = []
     for c in x:
+        refs.append(TAGS * len(statics) + STATIC)
         statics.append(c)
-        refs.append(3 * len(statics) - 1)
     records.append((k, KINDS[k].children(x)[1], tuple(refs)))
-    return 3 * j + 1
+    return TAGS * j + NODE
 
 
 def _enter(
@@ -318,20 +319,22 @@ def _enter(
         in_cell = stack[-1][6] if stack else False
         if k is _ARRAY:
             if in_cell:  # state is shared by cell: an array below one is its own at each place
+                r = TAGS * len(leaves)  # LEAF is 0
                 cell_leaves.append(len(leaves))
                 leaves.append(x)
-                return 3 * len(leaves) - 3
+                return r
             r = get(id(x))
             if r is None:
-                r = 3 * len(leaves)
+                r = TAGS * len(leaves)
                 memo[id(x)] = r
                 leaves.append(x)
             return r
         if k is _STATIC or k is _UNKNOWN:
             if k is _UNKNOWN:
                 _unknown_static(x)
+            r = TAGS * len(statics) + STATIC
             statics.append(x)
-            return 3 * len(statics) - 1
+            return r
         if k in _VALUE_KINDS and all(kind_of(c) is _STATIC for c in x):
             below_cell.append(in_cell)  # a record of its own (never met again: not in memo)
             return _value_record(k, x, records, statics, post)
@@ -339,11 +342,11 @@ def _enter(
         if r is not None:
             if r in open_immutable:
                 _cycle_error(k)
-            if below_cell[r // 3] != in_cell:
+            if below_cell[r // TAGS] != in_cell:
                 moved.append(r)  # checked once the walk is done (see _check_state)
             return r
         j = len(records)
-        r = 3 * j + 1
+        r = TAGS * j + NODE
         memo[id(x)] = r
         records.append(None)
         below_cell.append(in_cell)
@@ -378,6 +381,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     enter, cells = _enter(leaves, records, statics, memo, stack, open_immutable, post)
     cell_leaves = cells[0]
     type_cache = _type_cache
+    tags, node, static = TAGS, NODE, STATIC  # locals: read once per place below
     try:
         result = enter(tree)
         while stack:
@@ -391,18 +395,18 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
                 if k is _ARRAY:
                     if in_cell:  # below a state cell: an array of its own at this place
                         cell_leaves.append(len(leaves))
-                        refs.append(3 * len(leaves))
+                        refs.append(tags * len(leaves))  # LEAF is 0
                         leaves.append(c)
                         continue
                     r = get(id(c))
                     if r is None:
-                        r = 3 * len(leaves)
+                        r = tags * len(leaves)
                         memo[id(c)] = r
                         leaves.append(c)
                     refs.append(r)
                 elif k is _STATIC:
+                    refs.append(tags * len(statics) + static)
                     statics.append(c)
-                    refs.append(3 * len(statics) - 1)
                 else:
                     frame[4] = i  # a failure inside names this child's path
                     r = enter(c)
@@ -417,7 +421,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
             j, k, meta, _, _, refs, _ = frame
             records[j] = (k, meta, tuple(refs))
             post.append(j)
-            r = 3 * j + 1
+            r = tags * j + node
             if k not in _MUTABLE:
                 open_immutable.discard(r)
             if stack:
@@ -430,7 +434,7 @@ def _walk(tree: Any) -> tuple[list, GraphDef]:
     gdef = GraphDef(tuple(records), tuple(statics), result, len(leaves))
     if cell_leaves or cells[1]:
         check_state(gdef, leaves, memo, cells)
-    if result % 3 == 1:  # the build order (see rebuild_order), known already
+    if result % TAGS == NODE:  # the build order (see rebuild_order), known already
         order = gdef.memo.post = tuple(post)
         if CHECK_PLANS and order != post_order(gdef):
             raise PlanMismatch(f"the walk's build order differs from rebuild_order's search: {gdef}")
@@ -457,8 +461,8 @@ def ties(tree: Any) -> list[tuple[str, ...]]:
     places = place_paths(gdef)
     out = []
     for r in places.order:
-        q, m = divmod(r, 3)
-        paths = places.leaves[q] if m == 0 else places.nodes[q]
+        tag, q = split_ref(r)
+        paths = places.leaves[q] if tag == LEAF else places.nodes[q]
         if len(paths) > 1:
             out.append(tuple(p or "<root>" for p in paths))
     return out
@@ -527,29 +531,30 @@ def rebuild(graphdef: GraphDef, leaves: Any, *, statics: Any = None, materialize
 
 def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) -> Any:
     records = graphdef.records
-    # One table indexed by reference (3q: leaf q, 3j+1: node j, 3q+2: static q), so that
-    # a node's children are fetched in one C-level map.
-    size = 3 * max(len(leaves), len(statics), len(records))
+    # One table indexed by reference (see `refs`), so that a node's children are fetched in
+    # one C-level map.
+    size = TAGS * max(len(leaves), len(statics), len(records))
     table: list = [None] * size
-    table[0 : 3 * len(leaves) : 3] = leaves
-    table[2 : 3 * len(statics) + 2 : 3] = statics
+    table[LEAF : TAGS * len(leaves) + LEAF : TAGS] = leaves
+    table[STATIC : TAGS * len(statics) + STATIC : TAGS] = statics
     get = table.__getitem__
+    tags, node = TAGS, NODE  # locals: read once per node below
     mutable, post = rebuild_order(graphdef)
     for j in mutable:
         kind, meta, _ = records[j]
-        table[3 * j + 1] = KINDS[kind].shell(meta)
+        table[tags * j + node] = KINDS[kind].shell(meta)
     for j in post:
         kind, meta, refs = records[j]
         children = list(map(get, refs))
         if kind in _MUTABLE:
-            KINDS[kind].fill(meta, table[3 * j + 1], children)
+            KINDS[kind].fill(meta, table[tags * j + node], children)
         elif materialize and KINDS[kind].materializes:
             try:
-                table[3 * j + 1] = KINDS[kind].materialize(meta, children)
+                table[tags * j + node] = KINDS[kind].materialize(meta, children)
             except Exception as e:
                 raise view_failed(graphdef, j, meta, children[0], e) from e
         else:
-            table[3 * j + 1] = KINDS[kind].make(meta, children)
+            table[tags * j + node] = KINDS[kind].make(meta, children)
     return table[graphdef.root]
 
 

@@ -1,10 +1,10 @@
 """The GraphDef: the structure of an object graph, its one traversal, and its readers.
 
 A GraphDef holds one record ``(kind, meta, child_refs)`` per unique container
-node, in first-seen order; a child reference is a number (leaf ``i`` -> ``3 * i``,
-node ``j`` -> ``3 * j + 1``, static ``k`` -> ``3 * k + 2``), so a shared object
-is a number that occurs twice. Records and references are read in the core only
-(`_graph`, `_plan`, `_read` and this module); everything above asks the GraphDef by name.
+node, in first-seen order; a child reference is a number that names a leaf, a node
+or a static and which one (the encoding is `refs`'), so a shared object is a number
+that occurs twice. Records and references are read in the core only (`graph`,
+`plans`, `read` and this module); everything above asks the GraphDef by name.
 
 `_traverse` is the one traversal: every place in walk order with its parent
 node and its position there. The walk of places (`GraphDef.walk_places`, with
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from .errors import where
 from .kinds import _MUTABLE, KINDS, VIEW, GraphError, _as_is
+from .refs import LEAF, NODE, STATIC, TAGS, split_ref
 from .strict import _strict
 
 # Kinds whose meta is its own strict key (types, str names, int lengths): a GraphDef of
@@ -213,10 +214,10 @@ class GraphDef:
         records, keys = self.records, self._keys()
         for path, depth, r, first, parent, i in _traverse(self, expand_shared, cut_cycles, paths):
             key = keys[parent][i] if parent >= 0 else None
-            q, m = divmod(r, 3)
-            if m == 0:
+            q, tag = divmod(r, TAGS)
+            if tag == LEAF:
                 yield Place(path, depth, "array", q, first, None, None, parent, key)
-            elif m == 2:
+            elif tag == STATIC:
                 yield Place(path, depth, "static", q, True, None, self.statics[q], parent, key)
             else:
                 kind, meta, _ = records[q]
@@ -244,8 +245,8 @@ class GraphDef:
         """
         out = []
         for key, r in zip(self._keys()[j], self.records[j][2]):
-            q, m = divmod(r, 3)
-            name = "array" if m == 0 else "static" if m == 2 else KINDS[self.records[q][0]].name
+            tag, q = split_ref(r)
+            name = "array" if tag == LEAF else "static" if tag == STATIC else KINDS[self.records[q][0]].name
             out.append((key, name, q))
         return tuple(out)
 
@@ -286,10 +287,10 @@ class GraphDef:
         out = []
         for j, (kind, meta, refs) in enumerate(self.records):
             if kind == VIEW and places.nodes[j]:
-                q, m = divmod(refs[0], 3)
-                if m == 0:
+                tag, q = split_ref(refs[0])
+                if tag == LEAF:
                     source, leaf = places.leaves[q][0], q
-                elif m == 1:
+                elif tag == NODE:
                     source, leaf = places.nodes[q][0], None
                 else:
                     source, leaf = None, None
@@ -345,7 +346,7 @@ class GraphDef:
         out = self.memo.place_leaves
         if out is None:
             out = self.memo.place_leaves = tuple(
-                (path, r // 3) for path, _, r, _, _, _ in _traverse(self, True, True) if r % 3 == 0
+                (path, r // TAGS) for path, _, r, _, _, _ in _traverse(self, True, True) if r % TAGS == LEAF
             )
         return out
 
@@ -404,11 +405,11 @@ def _state_leaves(gdef: GraphDef) -> tuple[bool, ...]:
     inside: list[bool] = []  # by depth: whether the node open at that depth is in a cell
     for path, depth, r, _, _, _ in _traverse(gdef, True, True):
         del inside[depth:]
-        q, m = divmod(r, 3)
+        q, tag = divmod(r, TAGS)
         above = inside[depth - 1] if depth else False
-        if m == 1:
+        if tag == NODE:
             inside.append(above or cells[q])
-        elif m == 0:
+        elif tag == LEAF:
             seen = state[q]
             if seen is None:
                 state[q] = (above, path)
@@ -427,7 +428,8 @@ def check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, lis
         r = memo.get(id(leaves[q]))  # the same array (alive in `leaves`) outside every cell
         if r is not None:
             paths = place_paths(gdef).leaves
-            raise StateClash(paths[r // 3][0], paths[q][0])
+            _, outside = split_ref(r)
+            raise StateClash(paths[outside][0], paths[q][0])
     if moved:  # the traversal of every place decides (and raises on a clash)
         gdef.state_leaves()
         return
@@ -440,7 +442,7 @@ def check_state(gdef: GraphDef, leaves: list, memo: dict, cells: tuple[list, lis
 def untracked(record: tuple) -> bool:
     """Whether a node record stands for one place only: a tuple of static values."""
     kind, _, refs = record
-    return KINDS[kind].value_when_static and all(r % 3 == 2 for r in refs)
+    return KINDS[kind].value_when_static and all(r % TAGS == STATIC for r in refs)
 
 
 # ---------------------------------------------------------------- the one traversal of a GraphDef
@@ -462,29 +464,31 @@ def _traverse(
     on_path: set[int] = set()
     root = gdef.root
     yield "", 0, root, True, -1, 0
-    if root % 3 != 1:
+    if root % TAGS != NODE:
         return
     seen.add(root)
     on_path.add(root)
     # A frame: [node, next child, path, depth of its children].
-    stack: list[list] = [[root // 3, 0, "", 1]]
+    stack: list[list] = [[root // TAGS, 0, "", 1]]
+    tags, leaf, node, static = TAGS, LEAF, NODE, STATIC  # locals: read once per place below
     while stack:
         frame = stack[-1]
         j, i, path, depth = frame
         kind, meta, refs = records[j]
         if i >= len(refs):
             stack.pop()
-            on_path.discard(3 * j + 1)
+            on_path.discard(tags * j + node)
             continue
         frame[1] = i + 1
         r = refs[i]
         child = path + KINDS[kind].key(meta, i, len(refs)) if paths else ""
-        if r % 3 == 2:
+        tag = r % tags
+        if tag == static:
             yield child, depth, r, True, j, i
             continue
         first = r not in seen
         seen.add(r)
-        if r % 3 == 0:
+        if tag == leaf:
             yield child, depth, r, first, j, i
             continue
         if expand_shared and r in on_path:
@@ -500,7 +504,7 @@ def _traverse(
         yield child, depth, r, first, j, i
         if first or expand_shared:
             on_path.add(r)
-            stack.append([r // 3, 0, child, depth + 1])
+            stack.append([r // tags, 0, child, depth + 1])
 
 
 class _Places:
@@ -524,11 +528,11 @@ def place_paths(graphdef: GraphDef) -> _Places:
     static_paths: list[str] = [""] * len(graphdef.statics)
     order: list[int] = []
     for path, _, r, _, _, _ in _traverse(graphdef):
-        q, m = divmod(r, 3)
-        if m == 2:
+        q, tag = divmod(r, TAGS)
+        if tag == STATIC:
             static_paths[q] = path
             continue
-        lst = leaf_paths[q] if m == 0 else node_paths[q]
+        lst = leaf_paths[q] if tag == LEAF else node_paths[q]
         if not lst:
             order.append(r)
         lst.append(path)
@@ -566,17 +570,17 @@ def expand(graphdef: GraphDef, *, keep_state: bool = False) -> tuple[GraphDef, t
                 continue
             skip_below = None
         del open_nodes[depth:]
-        q, m = divmod(r, 3)
-        again = m == 1 and q in emitted
-        if m == 0:
-            ref = 3 * len(place_leaf)
+        q, tag = divmod(r, TAGS)
+        again = tag == NODE and q in emitted
+        if tag == LEAF:
+            ref = TAGS * len(place_leaf)  # LEAF is 0
             place_leaf.append(q)
-        elif m == 2:
+        elif tag == STATIC:
             ref = r
         elif again:
             ref, skip_below = emitted[q], depth
         else:
-            ref = 3 * len(new_records) + 1
+            ref = TAGS * len(new_records) + NODE
             kind, meta, _ = records[q]
             new_records.append((kind, meta))
             new_refs.append([])
@@ -586,8 +590,8 @@ def expand(graphdef: GraphDef, *, keep_state: bool = False) -> tuple[GraphDef, t
             root_ref = ref
         else:
             new_refs[open_nodes[depth - 1]].append(ref)
-        if m == 1 and not again:
-            open_nodes.append(ref // 3)
+        if tag == NODE and not again:
+            open_nodes.append(ref // TAGS)
     records_out = tuple((k, meta, tuple(refs)) for (k, meta), refs in zip(new_records, new_refs))
     out = (GraphDef(records_out, graphdef.statics, root_ref, len(place_leaf)), tuple(place_leaf))
     if keep_state:
@@ -621,17 +625,18 @@ def post_order(gdef: GraphDef) -> tuple:
     GraphDef the walk did not make, and to check the walk's)."""
     records = gdef.records
     post: list[int] = []
-    if gdef.root % 3 == 1:  # depth first over first places; a node is done after its children
+    if gdef.root % TAGS == NODE:  # depth first over first places; a node is done after its children
         seen = bytearray(len(records))
-        root = gdef.root // 3
+        root = gdef.root // TAGS
         seen[root] = 1
         stack = [(root, iter(records[root][2]))]
+        tags, node = TAGS, NODE  # locals: read once per reference below
         while stack:
             j, refs = stack[-1]
             for r in refs:
-                if r % 3 == 1 and not seen[r // 3]:
-                    seen[r // 3] = 1
-                    stack.append((r // 3, iter(records[r // 3][2])))
+                if r % tags == node and not seen[r // tags]:
+                    seen[r // tags] = 1
+                    stack.append((r // tags, iter(records[r // tags][2])))
                     break
             else:
                 stack.pop()

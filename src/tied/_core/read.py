@@ -13,6 +13,7 @@ from typing import Any
 
 from .graphdef import GraphDef, _traverse
 from .kinds import KINDS, GraphError, _Mismatch
+from .refs import LEAF, NODE, TAGS
 
 __all__ = ["node_objects", "read_places"]
 
@@ -51,10 +52,10 @@ def read_places(
         else:
             children = mirrors[-1]
             obj = children.obj if type(children) is _Broadcast else children[i]
-        q, m = divmod(r, 3)
-        if m == 0:
+        q, tag = divmod(r, TAGS)
+        if tag == LEAF:
             found[q].append(obj)
-        elif m == 1 and q not in on_path:
+        elif tag == NODE and q not in on_path:
             mirrors.append(_mirror(graphdef, q, obj, broadcast, what, hint, n))
             nodes.append(q)
             on_path.add(q)

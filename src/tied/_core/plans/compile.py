@@ -52,10 +52,13 @@ from ..kinds import (
     _pytree_def,
     _registry,
 )
+from ..refs import LEAF, NODE, STATIC, TAGS, split_ref
 from ..strict import _same_strict, _strict
 from ..view import View
 from .loops import (
     EXACT_EQ,
+    Layout,
+    Run,
     flatten_lines,
     flatten_loop,
     layout,
@@ -134,8 +137,8 @@ def _walk_order(gdef: GraphDef) -> list[tuple[int, int, int]]:
     return [(parent, i, r) for _, _, r, _, parent, i in _traverse(gdef, paths=False)]
 
 
-# A generated-code emitter: one straight-line plan, one branch per kind of node; split
-# up, every piece would thread the namespace, the emitted lines and the bound locals.
+# A generated-code emitter: one straight-line plan, emitted by `_FlattenEmitter` in named
+# pieces (the reading per kind of node, then each check, then the guard or the writes).
 def compile_flatten(
     gdef: GraphDef, max_lines: int = MAX_PLAN_LINES, writes: tuple | None = None, order: list | None = None
 ) -> Callable[..., Any] | None:
@@ -165,192 +168,255 @@ def compile_flatten(
     lay, found = layout_and_order(gdef)
     if flatten_lines(gdef, lay) > max_lines:
         return None
-    order = order or found or _walk_order(gdef)
-    records = gdef.records
-    ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
-    ns["SAME"] = _same_strict
-    ns["is_"], ns["is_not"] = operator.is_, operator.is_not
-    ns["FOL"] = _registry.flatten_one_level
-    ns["chain"] = itertools.chain
-    ns["compress"] = itertools.compress
-    ns["STR"] = frozenset((str,))
-    lines = ["def plan(root):"]
-    emit = lines.append
-    const = _constants(ns)
+    plan = _FlattenEmitter(gdef, lay)
+    plan.read(order or found or _walk_order(gdef))
+    plan.check_objects()
+    plan.check_statics()
+    plan.check_leaves(writes is not None)
+    plan.check_nodes()
+    plan.ns["FAIL"] = _FAIL
+    if len(plan.lines) > max_lines:
+        return None
+    if writes is None:
+        return plan.guarded()
+    return plan.write_back(writes)
 
-    # Expression yielding child i of node q, once node q sits in local n{q}.
-    child_expr: dict[int, list[str]] = {}
-    seen_leaf: set[int] = set()
-    seen_node: set[int] = set()
-    statics: list[str] = []  # locals holding static values, in order
-    static_values: list[Any] = []
-    tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
-    objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
-    bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
-    run_at = {(run.parent, run.start): run for runs in lay.runs.values() for run in runs}
-    # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
-    starts: list[int] = []
-    ends: list[int] = []
-    holders: list[str] = []
-    # A node read by key or index (not through a call) that holds an array no other record
-    # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
-    # node's object, the other's child at that key (read too: every record's children are)
-    # would be that array, which the GraphDef puts there for no other record, so the arrays'
-    # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
-    places = collections.Counter(r for _, _, rs in records for r in rs if r % 3 == 0)
-    # An array below a state cell may be the very object of another such place (two cells
-    # given one array are two states): it tells no node apart, and is not checked distinct.
-    state = gdef.state_leaves()
-    own = frozenset(r for r, c in places.items() if c == 1 and not state[r // 3])
-    looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
-    element_slices: list[str] = []
-    skip = 0
 
-    def leaf(q: int) -> str:
+class _FlattenEmitter:
+    """The source of one flatten plan (`compile_flatten`), emitted piece by piece into
+    ``lines``, its constants bound in ``ns``: `read` reads every place into a local (a
+    reader per kind of node, a loop per run of identical layers), the ``check_*`` methods
+    emit the checks of what the walk established, and `guarded` or `write_back` finishes
+    the function. The pieces share what has been read so far (the attributes below)."""
+
+    def __init__(self, gdef: GraphDef, lay: Layout) -> None:
+        self.gdef, self.lay, self.records = gdef, lay, gdef.records
+        ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
+        ns["SAME"] = _same_strict
+        ns["is_"], ns["is_not"] = operator.is_, operator.is_not
+        ns["FOL"] = _registry.flatten_one_level
+        ns["chain"] = itertools.chain
+        ns["compress"] = itertools.compress
+        ns["STR"] = frozenset((str,))
+        self.ns = ns
+        self.lines = ["def plan(root):"]
+        self.emit = self.lines.append
+        self.const = _constants(ns)
+        # Expression yielding child i of node q, once node q sits in local n{q}.
+        self.child_expr: dict[int, list[str]] = {}
+        self.seen_leaf: set[int] = set()
+        self.seen_node: set[int] = set()
+        self.statics: list[str] = []  # locals holding static values, in order
+        self.static_values: list[Any] = []
+        self.tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
+        self.objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
+        self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+        # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.holders: list[str] = []
+        # A node read by key or index (not through a call) that holds an array no other record
+        # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
+        # node's object, the other's child at that key (read too: every record's children are)
+        # would be that array, which the GraphDef puts there for no other record, so the arrays'
+        # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
+        tags, leaf = TAGS, LEAF  # locals: read once per reference below
+        places = collections.Counter(r for _, _, rs in self.records for r in rs if r % tags == leaf)
+        # An array below a state cell may be the very object of another such place (two cells
+        # given one array are two states): it tells no node apart, and is not checked distinct.
+        self.state = state = gdef.state_leaves()
+        self.own = frozenset(r for r, c in places.items() if c == 1 and not state[r // tags])
+        self.looped_nodes = 0  # tracked nodes read in loops (the elements, and those inside them in TN)
+        self.element_slices: list[str] = []
+
+    def leaf(self, q: int) -> str:
+        """The expression of array ``q``, once read: its local, or its item in a sequence."""
+        starts = self.starts
         k = bisect.bisect_right(starts, q) - 1
-        if k >= 0 and q < ends[k]:
-            return f"{holders[k]}[{q - starts[k]}]"
+        if k >= 0 and q < self.ends[k]:
+            return f"{self.holders[k]}[{q - starts[k]}]"
         return f"l{q}"
 
-    def held(first: int, end: int, holder: str) -> None:
-        starts.append(first)
-        ends.append(end)
-        holders.append(holder)
-        seen_leaf.update(range(first, end))
+    def held(self, first: int, end: int, holder: str) -> None:
+        """Arrays ``first`` to ``end`` are read, held by the sequence in local ``holder``."""
+        self.starts.append(first)
+        self.ends.append(end)
+        self.holders.append(holder)
+        self.seen_leaf.update(range(first, end))
 
-    def tup(names: list[str]) -> str:
-        return "(" + "".join(f"{x}, " for x in names) + ")"
+    # ------------------------------------------------ reading every place
 
-    if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
-        emit(" TN = []")
-        emit(" tn = TN.extend")
-    for parent, i, r in order:
-        if skip:
-            skip -= 1
-            continue
-        if parent in bulk:
-            continue
-        expr = "root" if parent < 0 else child_expr[parent][i]
-        run = run_at.get((parent, i))
-        if run is not None:  # a run of identical layers: one loop
-            k = len(holders)
-            body, per, check_elements = flatten_loop(gdef, run, k, f"n{parent}", leaf, const)
-            lines.extend(body)
-            held(run.lo, run.lo + run.count * run.leaves, f"R{k}")
-            looped_nodes += per * run.count
-            if check_elements and not untracked(records[run.first]):  # no unique array of
-                # their own tells the elements apart: their identities, a slice of the sequence
-                element_slices.append(f"n{parent}[{run.start}:{run.start + run.count}]")
-                looped_nodes += run.count
-            skip = run.count * run.places - 1
-            continue
-        q, m = divmod(r, 3)
-        if m == 2:
-            statics.append(f"s{q}")
-            static_values.append(gdef.statics[q])
-            emit(f" s{q} = {expr}")
-            continue
-        if m == 0:
-            if q in seen_leaf:
-                emit(f" if {expr} is not {leaf(q)}: raise M")
+    def read(self, order: list) -> None:
+        """Every place into a local, in the walk's ``order``: an array or a static at its place,
+        a node with its kind's checks, a later place of either by identity."""
+        emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
+        run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
+        if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
+            emit(" TN = []")
+            emit(" tn = TN.extend")
+        skip = 0
+        for parent, i, r in order:
+            if skip:
+                skip -= 1
+                continue
+            if parent in self.bulk:
+                continue
+            expr = "root" if parent < 0 else child_expr[parent][i]
+            run = run_at.get((parent, i))
+            if run is not None:  # a run of identical layers: one loop
+                skip = self.loop(parent, run)
+                continue
+            q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
+            if tag == STATIC:
+                self.statics.append(f"s{q}")
+                self.static_values.append(self.gdef.statics[q])
+                emit(f" s{q} = {expr}")
+            elif tag == LEAF:
+                if q in seen_leaf:
+                    emit(f" if {expr} is not {self.leaf(q)}: raise M")
+                else:
+                    seen_leaf.add(q)
+                    emit(f" l{q} = {expr}")
+            elif q in self.seen_node:  # a later place of a node: the same object
+                emit(f" if {expr} is not n{q}: raise M")
             else:
-                seen_leaf.add(q)
-                emit(f" l{q} = {expr}")
-            continue
-        if q in seen_node:  # a later place of a node: the same object
-            emit(f" if {expr} is not n{q}: raise M")
-            continue
-        seen_node.add(q)
-        kind, meta, refs = records[q]
-        n = len(refs)
+                self.node(q, expr)
+
+    def loop(self, parent: int, run: Run) -> int:
+        """The elements of ``run`` (children of node ``parent``) read by one loop; returns how
+        many places of the order the loop has read past the first."""
+        k = len(self.holders)
+        body, per, check_elements = flatten_loop(self.gdef, run, k, f"n{parent}", self.leaf, self.const)
+        self.lines.extend(body)
+        self.held(run.lo, run.lo + run.count * run.leaves, f"R{k}")
+        self.looped_nodes += per * run.count
+        if check_elements and not untracked(self.records[run.first]):  # no unique array of
+            # their own tells the elements apart: their identities, a slice of the sequence
+            self.element_slices.append(f"n{parent}[{run.start}:{run.start + run.count}]")
+            self.looped_nodes += run.count
+        return run.count * run.places - 1
+
+    def node(self, q: int, expr: str) -> None:
+        """Node ``q``'s first place, read from ``expr`` into local ``n{q}`` and checked as its
+        kind says; its children's expressions kept for their places."""
+        self.seen_node.add(q)
+        record = self.records[q]
+        kind, meta, refs = record
         v = f"n{q}"
-        emit(f" {v} = {expr}")
-        if not untracked(records[q]) and not (kind in _READ_BY_KEY and any(map(own.__contains__, refs))):
-            tracked_nodes.append((v, records[q]))
+        self.emit(f" {v} = {expr}")
+        if not untracked(record) and not (kind in _READ_BY_KEY and any(map(self.own.__contains__, refs))):
+            self.tracked_nodes.append((v, record))
         if kind == LIST or kind == TUPLE:
-            typ = "list" if kind == LIST else "tuple"
-            emit(f" if type({v}) is not {typ} or len({v}) != {n}: raise M")
-            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
-            leaf_qs = [c // 3 for c in refs if c % 3 == 0]
-            if q in lay.bulk:  # arrays all seen here first: the sequence holds them
-                held(leaf_qs[0], leaf_qs[0] + n, v)
-                bulk.add(q)
-            elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
-                if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
-                    known = tup([leaf(c) for c in leaf_qs])
-                    emit(f" if not all(map(is_, {v}, {known})): raise M")
-                    bulk.add(q)
-                elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
-                    emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
-                    seen_leaf.update(leaf_qs)
-                    bulk.add(q)
+            children = self.read_sequence(q, v, kind, refs)
         elif kind == DICT:
-            keys, order = meta
-            ks = const(keys, "K")
-            inserted = const(keys if order is None else order, "KI")
-            str_keys = all(type(k) is str for k in keys)
-            # The keys in the model's insertion order (which the rebuilt dict keeps).
-            if n and str_keys:
-                # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
-                # the same strings): those are exact str. Else equal, and checked exact str here.
-                emit(
-                    f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
-                    f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
-                )
-            else:
-                emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
-            child_expr[q] = [f"{v}[{ks}[{k}]]" for k in range(n)]
-            if q in lay.bulk:  # arrays all seen here first: read them in one statement
-                first = refs[0] // 3
-                read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
-                emit(f" RD{q} = {read}")
-                held(first, first + n, f"RD{q}")
-                bulk.add(q)
-            if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
-                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
-                emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
+            children = self.read_dict(q, v, meta, refs)
         elif KINDS[kind].fields_in_dict:
-            objects.append((v, f"d{q}", meta[0], meta[1]))
-            emit(f" d{q} = {v}.__dict__")
-            child_expr[q] = [f"d{q}[{name!r}]" for name in meta[1]]
+            self.objects.append((v, f"d{q}", meta[0], meta[1]))
+            self.emit(f" d{q} = {v}.__dict__")
+            children = [f"d{q}[{name!r}]" for name in meta[1]]
         elif kind == NAMEDTUPLE:
-            t = const(meta, "T")
-            emit(f" if type({v}) is not {t} or len({v}) != {n}: raise M")
-            child_expr[q] = [f"{v}[{k}]" for k in range(n)]
+            t = self.const(meta, "T")
+            self.emit(f" if type({v}) is not {t} or len({v}) != {len(refs)}: raise M")
+            children = [f"{v}[{k}]" for k in range(len(refs))]
         elif kind == PYTREE:
-            t = const(meta[0], "T")
-            aux = const(meta[1], "AUX")
-            saux = const(_strict(meta[1]), "SAUX")
-            emit(f" if type({v}) is not {t}: raise M")
-            emit(f" c{q}, a{q} = FOL({v})")
-            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {aux}, {saux}): raise M")
-            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
+            children = self.read_by_call(q, v, len(refs), meta[0], None, meta[1], ("AUX", "SAUX"))
         elif kind == VIEW:
-            fn = const(meta, "FN")
-            sfn = const(_strict(meta), "SFN")
-            emit(f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M")
-            child_expr[q] = [f"{v}.source"]
+            fn = self.const(meta, "FN")
+            sfn = self.const(_strict(meta), "SFN")
+            self.emit(
+                f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M"
+            )
+            children = [f"{v}.source"]
         else:  # any other kind: its own children(), its meta compared strictly
-            t = const(KINDS[kind].type_of(meta), "T")
-            ch = const(KINDS[kind].children, "CH")
-            m = const(meta, "MT")
-            smeta = const(_strict(meta), "SM")
-            emit(f" if type({v}) is not {t}: raise M")
-            emit(f" c{q}, a{q} = {ch}({v})")
-            emit(f" if len(c{q}) != {n} or not SAME(a{q}, {m}, {smeta}): raise M")
-            child_expr[q] = [f"c{q}[{k}]" for k in range(n)]
+            t = KINDS[kind].type_of(meta)
+            children = self.read_by_call(q, v, len(refs), t, KINDS[kind].children, meta, ("MT", "SM"))
+        self.child_expr[q] = children
 
-    if objects:
+    def read_sequence(self, q: int, v: str, kind: int, refs: tuple) -> list[str]:
+        """A list or tuple: its type and length; its arrays in one statement where it can."""
+        emit, seen_leaf, n = self.emit, self.seen_leaf, len(refs)
+        emit(f" if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
+        leaf_qs = [c // TAGS for c in refs if c % TAGS == LEAF]
+        if q in self.lay.bulk:  # arrays all seen here first: the sequence holds them
+            self.held(leaf_qs[0], leaf_qs[0] + n, v)
+            self.bulk.add(q)
+        elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
+            if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+                known = _tup([self.leaf(c) for c in leaf_qs])
+                emit(f" if not all(map(is_, {v}, {known})): raise M")
+                self.bulk.add(q)
+            elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
+                emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
+                seen_leaf.update(leaf_qs)
+                self.bulk.add(q)
+        return [f"{v}[{k}]" for k in range(n)]
+
+    def read_dict(self, q: int, v: str, meta: Any, refs: tuple) -> list[str]:
+        """A dict: its type and its keys in the model's insertion order (which the rebuilt dict
+        keeps), exact where they are not all str; its arrays in one statement where it can."""
+        emit, const, n = self.emit, self.const, len(refs)
+        keys, order = meta
+        ks = const(keys, "K")
+        inserted = const(keys if order is None else order, "KI")
+        str_keys = all(type(k) is str for k in keys)
+        if n and str_keys:
+            # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
+            # the same strings): those are exact str. Else equal, and checked exact str here.
+            emit(
+                f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
+                f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
+            )
+        else:
+            emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
+        if q in self.lay.bulk:  # arrays all seen here first: read them in one statement
+            _, first = split_ref(refs[0])
+            read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
+            emit(f" RD{q} = {read}")
+            self.held(first, first + n, f"RD{q}")
+            self.bulk.add(q)
+        if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
+            sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
+            emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
+        return [f"{v}[{ks}[{k}]]" for k in range(n)]
+
+    def read_by_call(
+        self, q: int, v: str, n: int, typ: type, children: Any, meta: Any, prefixes: tuple[str, str]
+    ) -> list[str]:
+        """A node whose children come from a call (``children``: the kind's own; None for a JAX
+        pytree, flattened one level by JAX), checked by type first (the call may run user
+        code), then its arity and its meta (a pytree's aux data) compared strictly; the meta
+        and its strict key are bound under ``prefixes``."""
+        const, emit = self.const, self.emit
+        t = const(typ, "T")
+        call = "FOL" if children is None else const(children, "CH")
+        expected, strict = const(meta, prefixes[0]), const(_strict(meta), prefixes[1])
+        emit(f" if type({v}) is not {t}: raise M")
+        emit(f" c{q}, a{q} = {call}({v})")
+        emit(f" if len(c{q}) != {n} or not SAME(a{q}, {expected}, {strict}): raise M")
+        return [f"c{q}[{k}]" for k in range(n)]
+
+    # ------------------------------------------------ the checks, once every place is read
+
+    def check_objects(self) -> None:
+        """The attribute-holding nodes: their types, and their field names in order."""
+        objects, const = self.objects, self.const
+        if not objects:
+            return
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
-        emit(f" if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        self.emit(f" if tuple(map(type, {_tup([v for v, _, _, _ in objects])})) != {types}: raise M")
         # The fields in their order (the walk lists them in assignment order), all dicts'
         # keys in one list (a display: no call per dict): each dict holds its names (read
         # above), and the same total sequence then means the same keys in the same order in each.
         names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
-        emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
-    if statics:
+        self.emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
+
+    def check_statics(self) -> None:
+        """The statics: the very objects recorded, or of their types and values."""
+        statics, static_values, const = self.statics, self.static_values, self.const
+        if not statics:
+            return
         values = const(tuple(static_values), "SV")
-        emit(f" sv = {tup(statics)}")
+        self.emit(f" sv = {_tup(statics)}")
         # An identical object is the same static; anything else must match in type, and in
         # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
         # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
@@ -361,73 +427,93 @@ def compile_flatten(
         checks = [f"tuple(map(type, sv)) != {types}"]
         if plain:
             pv = const(tuple(static_values[k] for k in plain), "PV")
-            checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
+            checks.append(f"{_tup([statics[k] for k in plain])} != {pv}")
         if bits:
             bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
-            checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
-        emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
-    emit(f" out = [{', '.join(_segments(gdef.num_leaves, starts, ends, holders))}]")
-    if writes is None:
+            checks.append(f"tuple(map(STRICT, {_tup([statics[k] for k in bits])})) != {bv}")
+        self.emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
+
+    def check_leaves(self, writes: bool) -> None:
+        """The list ``out`` of the arrays; they are arrays and distinct (those outside state
+        cells), or, for a write-back, the very arrays the call was given."""
+        emit, state, num_leaves = self.emit, self.state, self.gdef.num_leaves
+        emit(f" out = [{', '.join(_segments(num_leaves, self.starts, self.ends, self.holders))}]")
+        if writes:  # the very arrays the call was given (distinct, of array types): nothing else
+            emit(" if any(map(is_not, out, INP)): raise M")
+            return
         emit(" if not AT.issuperset(map(type, out)): raise M")
         if any(state):  # the others distinct, and none of them below a cell too
             n_params = state.count(False)
-            outside = const(bytes(not s for s in state), "OUT")
-            inside = const(bytes(state), "IN")
+            outside = self.const(bytes(not s for s in state), "OUT")
+            inside = self.const(bytes(state), "IN")
             emit(f" ids = set(map(id, compress(out, {outside})))")
             emit(f" if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
             emit("  raise M")
         else:
-            emit(f" if len(set(map(id, out))) != {gdef.num_leaves}: raise M")
-    else:  # the very arrays the call was given (distinct, of array types): nothing else
-        emit(" if any(map(is_not, out, INP)): raise M")
-    # Distinct nodes stay distinct. Types are checked above, so objects of the two
-    # groups cannot coincide; those hashed by identity go into a set as they are.
-    by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
-    by_id = [v for v, rec in tracked_nodes if not _identity_hashed(rec)]
-    if looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
-        total = len(tracked_nodes) + looped_nodes
-        looped = ", ".join(["TN", *element_slices])
-        emit(f" if len(set(map(id, chain({tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
-    else:
+            emit(f" if len(set(map(id, out))) != {num_leaves}: raise M")
+
+    def check_nodes(self) -> None:
+        """Distinct nodes stay distinct. Types are checked above, so objects of the two groups
+        cannot coincide; those hashed by identity go into a set as they are."""
+        emit, tracked_nodes = self.emit, self.tracked_nodes
+        by_identity = [v for v, rec in tracked_nodes if _identity_hashed(rec)]
+        by_id = [v for v, rec in tracked_nodes if not _identity_hashed(rec)]
+        if self.looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
+            total = len(tracked_nodes) + self.looped_nodes
+            looped = ", ".join(["TN", *self.element_slices])
+            emit(f" if len(set(map(id, chain({_tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+            return
         if len(by_identity) > 1:
-            emit(f" if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
+            emit(f" if len(set({_tup(by_identity)})) != {len(by_identity)}: raise M")
         if len(by_id) > 1:
-            emit(f" if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
-    ns["FAIL"] = _FAIL
-    if len(lines) > max_lines:
-        return None
-    if writes is None:
-        emit(" return out")
+            emit(f" if len(set(map(id, {_tup(by_id)}))) != {len(by_id)}: raise M")
+
+    # ------------------------------------------------ the function
+
+    def guarded(self) -> Callable[..., Any]:
+        """The flatten plan: the list of arrays, or None at the first difference."""
+        lines = self.lines
+        lines.append(" return out")
         lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
-        return _compile("\n".join(lines), "flatten", ns, "guarded")
-    # The writes run once every check has passed, outside the guard: a setter that raises
-    # (a state cell refusing its value) is an error, never a miss after half a write.
-    lines[0] = "def plan(root, INP):"
-    held_locals: list[str] = []
-    puts: list[str] = []
-    setters: dict[int, str] = {}
-    for n, j, i in writes:
-        if j not in seen_node:  # read in a loop: no local holds it
-            return None
-        kind, meta, _ = records[j]
-        by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
-        if kind in (LIST, DICT) or by_dict:
-            # its reading expression is the item its setter assigns (a list's, a dict's, a
-            # __dict__'s: a registered class and a state cell write there)
-            held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
-            puts.append(f" {child_expr[j][i]} = V[{n}]")
-        else:  # the kind's own setter (a state cell checks its value)
-            held_locals.append(f"n{j}")
-            if kind not in setters:
-                setters[kind] = const(KINDS[kind].setter, "SET")
-            puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
-    held_locals = list(dict.fromkeys(held_locals))
-    emit(f" return {tup(held_locals)}")
-    lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
-    lines += ["  return None", f" {tup(held_locals)[1:-1]} = C"]
-    lines += puts
-    lines += [" return True", ""]
-    return _compile("\n".join(lines), "write-back", ns, "guarded")
+        return _compile("\n".join(lines), "flatten", self.ns, "guarded")
+
+    def write_back(self, writes: tuple) -> Callable[..., Any] | None:
+        """The write-back: the reading and checks, then the ``writes`` (None where a written
+        container is read in a loop). The writes run once every check has passed, outside the
+        guard: a setter that raises (a state cell refusing its value) is an error, never a
+        miss after half a write."""
+        lines, const, records = self.lines, self.const, self.records
+        lines[0] = "def plan(root, INP):"
+        held_locals: list[str] = []
+        puts: list[str] = []
+        setters: dict[int, str] = {}
+        for n, j, i in writes:
+            if j not in self.seen_node:  # read in a loop: no local holds it
+                return None
+            kind, meta, _ = records[j]
+            by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
+            if kind in (LIST, DICT) or by_dict:
+                # its reading expression is the item its setter assigns (a list's, a dict's, a
+                # __dict__'s: a registered class and a state cell write there)
+                held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
+                puts.append(f" {self.child_expr[j][i]} = V[{n}]")
+            else:  # the kind's own setter (a state cell checks its value)
+                held_locals.append(f"n{j}")
+                if kind not in setters:
+                    setters[kind] = const(KINDS[kind].setter, "SET")
+                puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
+        held_locals = list(dict.fromkeys(held_locals))
+        lines.append(f" return {_tup(held_locals)}")
+        lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
+        lines += ["  return None", f" {_tup(held_locals)[1:-1]} = C"]
+        lines += puts
+        lines += [" return True", ""]
+        return _compile("\n".join(lines), "write-back", self.ns, "guarded")
+
+
+def _tup(names: list[str]) -> str:
+    """A tuple display of ``names`` (``()`` for none, ``(x, )`` for one)."""
+    return "(" + "".join(f"{x}, " for x in names) + ")"
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
@@ -448,6 +534,11 @@ def _identity_hashed(record: tuple) -> bool:
         return False
     cls = record[1][0]
     return cls.__hash__ is object.__hash__ and cls.__eq__ is object.__eq__
+
+
+# How a built plan names a child, by its reference's tag: the leaves in L, the nodes in locals
+# n{j}, the statics in S.
+_REF_EXPR = {LEAF: "L[{}]", NODE: "n{}", STATIC: "S[{}]"}
 
 
 # A generated-code emitter (as `compile_flatten`): the constructor calls in build order.
@@ -474,8 +565,8 @@ def compile_unflatten(
     const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
 
     def ref(r: int) -> str:
-        q, m = divmod(r, 3)
-        return ("L[{}]", "n{}", "S[{}]")[m].format(q)
+        q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
+        return _REF_EXPR[tag].format(q)
 
     def args(refs: tuple, j: int = -1) -> str:
         """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
@@ -490,11 +581,12 @@ def compile_unflatten(
                 i += run.count
                 continue
             r, e = refs[i], i + 1
-            if r % 3 == 0:
-                while e < len(refs) and refs[e] == refs[e - 1] + 3 and (j < 0 or e not in starts):
+            if r % TAGS == LEAF:  # consecutive arrays: references TAGS apart
+                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and (j < 0 or e not in starts):
                     e += 1
             if e - i >= 4:
-                items.append(f"*L[{r // 3}:{r // 3 + e - i}]")
+                q = r // TAGS
+                items.append(f"*L[{q}:{q + e - i}]")
             else:
                 items.extend(ref(x) for x in refs[i:e])
             i = e

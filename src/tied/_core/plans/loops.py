@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from ..graphdef import GraphDef, untracked
 from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, TUPLE, _pytree_def
+from ..refs import LEAF, NODE, STATIC, TAGS, node_ref, split_ref
 from ..strict import _strict
 
 # Fewer elements than this are not worth a loop (straight lines are as short).
@@ -146,8 +147,9 @@ def _extents(gdef: GraphDef) -> _Extents | None:
     leaves = statics = nodes = 0
     p = 1
     stack: list[list[int]] = []
-    if gdef.root % 3 == 1:
-        if gdef.root != 1:
+    tags, leaf, static = TAGS, LEAF, STATIC  # locals: read once per place below
+    if gdef.root % TAGS == NODE:
+        if gdef.root != node_ref(0):  # a walk numbers the root first
             return None
         refcount[0], start[0], nodes, seen_node[0] = 1, (0, 0, 0), 1, 1
         stack.append([0, 0])
@@ -163,8 +165,8 @@ def _extents(gdef: GraphDef) -> _Extents | None:
         r = refs[i]
         order.append((j, i, r))
         p += 1
-        x, m = divmod(r, 3)
-        if m == 0:
+        x, tag = divmod(r, tags)
+        if tag == leaf:
             leaf_places[x] += 1
             if seen_leaf[x]:
                 all_new[j] = False
@@ -175,7 +177,7 @@ def _extents(gdef: GraphDef) -> _Extents | None:
                 leaves += 1
             continue
         all_new[j] = False
-        if m == 2:
+        if tag == static:
             if x != statics:  # statics numbered by place, in walk order
                 return None
             statics += 1
@@ -208,6 +210,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
         return None
     records, strict_records, strict_statics = gdef.records, key[2], key[3]
     inside = outside_places = 0
+    tags, leaf, node = TAGS, LEAF, NODE  # locals: read once per reference below
     # Which of its own arrays have no other place in the whole graph (see flatten_loop).
     unique = _unique(gdef, ext, lo, hi)
     sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
@@ -219,10 +222,10 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
             outside_places += ext.refcount[jj]
         mapped = []
         for r in refs:
-            x, m = divmod(r, 3)
-            if m == 0:
+            x, tag = divmod(r, tags)  # split_ref's arithmetic, inline: once per reference
+            if tag == leaf:
                 mapped.append(("l", x - lo) if lo <= x < hi else ("L", x))
-            elif m == 1:
+            elif tag == node:
                 if j <= x < ne:
                     if x <= jj:  # back to a node above (a cycle), or shared inside: not looped
                         return None
@@ -255,7 +258,7 @@ def _find(gdef: GraphDef) -> tuple[Layout, list | None]:
         prev = None
         worth = _worth_comparing(ext, refs)
         for i, r in enumerate((*refs, None)):
-            sig = _element(gdef, ext, r // 3, key) if i in worth else None
+            sig = _element(gdef, ext, r // TAGS, key) if i in worth else None  # a node's index
             if sig is not None and sig == prev:
                 members.append(i)
                 continue
@@ -275,9 +278,10 @@ def _worth_comparing(ext: _Extents, refs: tuple) -> set[int]:
     """The positions of children that sit in a run of at least `LOOP_MIN` nodes first met
     there whose subtrees have the same sizes: only those are compared in full."""
     sizes = []
+    tags, node = TAGS, NODE  # locals: read once per reference below
     for r in refs:
-        j = r // 3
-        if r % 3 != 1 or ext.refcount[j] != 1 or ext.start[j] is None:
+        j = r // tags
+        if r % tags != node or ext.refcount[j] != 1 or ext.start[j] is None:
             sizes.append(None)
             continue
         p0, lo, slo = ext.start[j]
@@ -303,7 +307,7 @@ def _unique(gdef: GraphDef, ext: _Extents, lo: int, hi: int) -> tuple[bool, ...]
 
 
 def _run(gdef: GraphDef, ext: _Extents, parent: int, members: list[int], refs: tuple) -> Run:
-    j = refs[members[0]] // 3
+    _, j = split_ref(refs[members[0]])
     p0, lo, slo = ext.start[j]
     p1, ne, hi, shi = ext.end[j]
     unique = _unique(gdef, ext, lo, hi)
@@ -353,9 +357,9 @@ def flatten_loop(
     emit = lambda line: lines.append("  " + line)  # noqa: E731
     uses: dict[int, int] = {}
     for jj in range(j0, j0 + run.nodes):
-        for r in records[jj][2]:
-            if r % 3 == 0:
-                uses[r // 3] = uses.get(r // 3, 0) + 1
+        for tag, x in map(split_ref, records[jj][2]):
+            if tag == LEAF:
+                uses[x] = uses.get(x, 0) + 1
     new: list[str] = []
     bound: dict[int, str] = {}
     names = {j0: "x_"}
@@ -424,11 +428,11 @@ def flatten_loop(
             continue
         frame[2] = i + 1
         e = exprs[i]
-        x, m = divmod(refs[i], 3)
-        if m == 2:
+        tag, x = split_ref(refs[i])
+        if tag == STATIC:
             emit(f"xs = {e}")
             emit(f"if {static_check('xs', gdef.statics[x], const)}: raise M")
-        elif m == 0 and lo <= x < hi:
+        elif tag == LEAF and lo <= x < hi:
             if x in bound:
                 emit(f"if {e} is not {bound[x]}: raise M")
             elif uses[x] > 1:
@@ -440,7 +444,7 @@ def flatten_loop(
                 new.append(e)
             if run.unique[x - lo]:
                 frame[4] = True
-        elif m == 0:
+        elif tag == LEAF:
             emit(f"if {e} is not {leaf(x)}: raise M")
         elif not j0 <= x < j0 + run.nodes:
             emit(f"if {e} is not n{x}: raise M")
@@ -477,10 +481,10 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
     names: dict[int, str] = {}
 
     def ref(r: int) -> str:
-        x, m = divmod(r, 3)
-        if m == 0:
+        tag, x = split_ref(r)
+        if tag == LEAF:
             return f"lv{x - lo}" if lo <= x < hi else f"L[{x}]"
-        if m == 2:
+        if tag == STATIC:
             return f"sv{x - slo}"
         return names[x] if j0 <= x < j0 + run.nodes else f"n{x}"
 
@@ -491,7 +495,7 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
         if j in names:
             continue
         kind, meta, refs = records[j]
-        inner = [r // 3 for r in refs if r % 3 == 1 and j0 <= r // 3 < j0 + run.nodes]
+        inner = [x for tag, x in map(split_ref, refs) if tag == NODE and j0 <= x < j0 + run.nodes]
         if not ready:
             stack.append((j, True))
             stack.extend((c, False) for c in reversed(inner) if c not in names)
