@@ -25,7 +25,6 @@ MAX_FUNCTION_LINES = 80  # code lines: a docstring does not count
 # shared locals (the namespace, the emitted lines, the locals already bound) through
 # every piece.
 EMITTERS = {
-    "_core.plans.compile.compile_flatten",
     "_core.plans.compile.compile_unflatten",
     "_core.plans.loops.flatten_loop",
 }

@@ -13,7 +13,7 @@ from typing import Any
 
 from .graphdef import GraphDef, _traverse
 from .kinds import KINDS, GraphError, _Mismatch
-from .refs import LEAF, NODE, TAGS
+from .refs import LEAF, NODE, TAGS, split_ref
 
 __all__ = ["node_objects", "read_places"]
 
@@ -114,8 +114,8 @@ def node_objects(graphdef: GraphDef, model: Any) -> list:
         if obj is None:
             continue
         for child, r in zip(KINDS[kind].children(obj)[0], refs):
-            q, m = divmod(r, 3)
-            if m == 1 and objs[q] is None:
+            tag, q = split_ref(r)
+            if tag == NODE and objs[q] is None:
                 objs[q] = child
     return objs
 
