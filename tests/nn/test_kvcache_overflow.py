@@ -101,3 +101,62 @@ def test_an_ensemble_of_caches_under_tied_vmap_overflows_loudly_and_fits_silentl
     ):
         jax.block_until_ready(step(caches, x[:, 2:5]))
     np.testing.assert_array_equal(caches.member.position.value, [2, 2])  # nothing written back
+
+
+def _no_host_callback(jitted, *args):
+    text = jitted.lower(*args).as_text()
+    return "callback" not in text.lower()
+
+
+def test_a_jitted_decode_holds_no_host_callback_and_still_overflows_loudly():
+    """The check's flag is an output of the program, read by tied.jit after the call: no host
+    callback in the program (which would cost JAX's C++ dispatch path on every decoded token)."""
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    cache = block.attn.cache(4, batch_shape=(1,))
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    step = tied.jit(lambda b, c, xt: b.decode(xt, c))
+    assert _no_host_callback(step, block, cache, x[:, :1])
+    ref_cache = block.attn.cache(4, batch_shape=(1,))
+    for t in range(4):
+        np.testing.assert_allclose(
+            step(block, cache, x[:, t : t + 1]),
+            block.decode(x[:, t : t + 1], ref_cache),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    np.testing.assert_allclose(cache.keys.value, ref_cache.keys.value, rtol=1e-5, atol=1e-6)
+    keys = np.asarray(cache.keys.value).copy()
+    with pytest.raises(
+        ValueError, match=r"KVCache: 4 positions are written and 1 more do not fit in max_len=4"
+    ):
+        step(block, cache, x[:, 4:5])
+    assert int(cache.position.value) == 4  # nothing written back
+    np.testing.assert_array_equal(cache.keys.value, keys)
+
+
+def test_a_stacked_cache_under_tied_scan_overflows_loudly_eagerly_and_under_jit():
+    """tied.scan carries each step's check out of the scan: raised around it, with no callback
+    in a tied.jit program, and nothing written back."""
+    blocks = [TransformerBlock(8, 2, key=jax.random.key(i)) for i in range(3)]
+    stack = tied.stack(blocks)
+    x = jax.random.normal(jax.random.key(3), (1, 3, 8))
+
+    def decode(s, caches, xt):
+        def f(h, layer, _):
+            blk, cache = layer
+            return blk.decode(h, cache), None
+
+        return tied.scan(f, xt, (s, caches))[0]
+
+    for run in (decode, tied.jit(decode)):
+        caches = tied.stack([b.attn.cache(2, batch_shape=(1,)) for b in blocks])
+        if run is not decode:
+            assert _no_host_callback(run, stack, caches, x[:, :2])
+        run(stack, caches, x[:, :2])
+        keys = np.asarray(caches.member.keys.value).copy()
+        with pytest.raises(
+            ValueError, match=r"KVCache: 2 positions are written and 1 more do not fit in max_len=2"
+        ):
+            run(stack, caches, x[:, 2:3])
+        np.testing.assert_array_equal(caches.member.position.value, [2, 2, 2])
+        np.testing.assert_array_equal(caches.member.keys.value, keys)

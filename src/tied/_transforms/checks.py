@@ -10,7 +10,9 @@ which JAX would clamp onto its last rows: a wrong answer that raises nothing) ca
   on their values after the call, before anything is written back. The program holds no host
   callback, so JAX keeps its C++ dispatch path (a callback in a decode step made a 64-token
   decode 4.5x the hand-written one: every call went through Python dispatch).
-* Anywhere else in a traced program (a `tied.scan` body, `jax.jit`, `jax.vmap`): a host callback
+* In a `tied.scan` body: carried out of the scan as one flag per step, and checked around it
+  (under `tied.jit`, after the call; eagerly, when the scan returns).
+* Anywhere else in a traced program (`jax.jit`, `jax.vmap`, `jax.lax.scan`): a host callback
   inside a ``cond``, called only when ``bad`` holds (batched under ``vmap``: ``fail`` looks at
   every example), as Equinox's ``error_if`` does.
 """
@@ -90,5 +92,5 @@ def run_checks(checks: tuple, values: list) -> None:
         at += 1 + n
         if isinstance(flag, jax.core.Tracer):
             check(flag, fail, *operands)
-        elif bool(flag):
+        elif np.any(flag):  # a flag per step where a tied.scan carried them out
             fail(np.asarray(flag), *(np.asarray(x) for x in operands))

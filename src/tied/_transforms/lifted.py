@@ -34,6 +34,7 @@ from .._core import (
     where,
     write_back,
 )
+from .checks import check_scope, run_checks
 from .grad import is_total, mark_total
 from .stack import Stack, layout
 
@@ -186,15 +187,17 @@ def scan(
             full[q] = v
         copy = rebuild(gdef, full)
         layer = copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
-        carry, y = f(carry, layer, x)
+        with check_scope(full) as checks:  # carried out per step, checked at the level around
+            carry, y = f(carry, layer, x)
         after, written = _read_writes("tied.scan", gdef, full, copy, where)
         for q in written:
             _check_scan_write(gdef, q, stacked[q], state[q], full[q], after[q])
         learnt["written"] = [q for q in written if stacked[q]]
         learnt["broadcast"] = [q for q in written if not stacked[q]]
-        return (carry, [after[q] for q in b_idx]), (y, [after[q] for q in learnt["written"]])
+        learnt["checks"] = checks.checks
+        return (carry, [after[q] for q in b_idx]), (y, [after[q] for q in learnt["written"]], checks.values)
 
-    (carry, b_out), (ys, s_out) = jax.lax.scan(
+    (carry, b_out), (ys, s_out, checked) = jax.lax.scan(
         body,
         (init, [leaves[q] for q in b_idx]),
         ([leaves[q] for q in s_idx], xs),
@@ -202,6 +205,7 @@ def scan(
         reverse=reverse,
         unroll=unroll,
     )
+    run_checks(tuple(learnt["checks"]), list(checked))  # every step's flags: raised around the scan
     pos = {q: k for k, q in enumerate(b_idx)}
     written = learnt["written"] + learnt["broadcast"]
     values = list(s_out) + [b_out[pos[q]] for q in learnt["broadcast"]]

@@ -30,10 +30,11 @@ class KVCache:
     one set of weights but sees two different sequences of keys, so it gets two
     caches. A new cache (or one with ``position`` set back to 0) starts a new sequence.
 
-    A write past ``max_len`` is an error, never a wrong answer: eagerly a ``ValueError``;
-    under `tied.jit` (the position traced) a callback in the compiled program raises (as
-    Equinox's ``eqx.error_if``): the call fails with JAX's runtime error carrying the same
-    message, and the caller's cache is left as it was.
+    A write past ``max_len`` is an error, never a wrong answer: a ``ValueError``, eagerly and
+    from a `tied.jit` call (which reads the program's overflow flag after the call, before
+    writing back; also through `tied.scan`), and the caller's cache is left as it was; inside
+    a program tied.jit does not own (``jax.jit``), a callback raises JAX's runtime error with
+    the same message.
 
     Args:
         max_len: the most positions the cache holds.
