@@ -7,6 +7,7 @@ and the full-sequence attention for the steps that fit.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -160,3 +161,70 @@ def test_a_stacked_cache_under_tied_scan_overflows_loudly_eagerly_and_under_jit(
             run(stack, caches, x[:, 2:3])
         np.testing.assert_array_equal(caches.member.position.value, [2, 2, 2])
         np.testing.assert_array_equal(caches.member.keys.value, keys)
+
+
+def test_the_first_overflowing_step_of_a_scan_over_time_is_named_as_the_eager_loop_names_it():
+    # Found by review: steps after the overflow carry positions past max_len; the message names
+    # the first one, as the eager loop over tokens does (4 written, 1 more).
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (1, 6, 8))
+    xs = jnp.moveaxis(x, 1, 0)[:, :, None, :]
+
+    def run(b, c, xs):
+        return tied.scan(
+            lambda h, layer, xt: (h, layer[0].decode(xt, layer[1])), 0.0, tied.stack([(b, c)] * 5), xs
+        )[1]
+
+    eager = block.attn.cache(4, batch_shape=(1,))
+    block.decode(x[:, :2], eager)
+    with pytest.raises(ValueError, match=MATCH):
+        for t in range(5):
+            block.decode(xs[t], eager)
+    for f in (run, tied.jit(run)):
+        c = block.attn.cache(4, batch_shape=(1,))
+        block.decode(x[:, :2], c)
+        with pytest.raises(ValueError, match=MATCH):
+            f(block, c, xs[:5])
+        assert int(c.position.value) == 2
+
+
+def test_a_step_longer_than_the_cache_gets_the_cache_message_under_jit():
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    with pytest.raises(ValueError, match=r"KVCache: 5 positions at once do not fit in max_len=4"):
+        tied.jit(lambda b, c, xt: b.decode(xt, c))(block, block.attn.cache(4, batch_shape=(1,)), x)
+
+
+def test_tied_vmap_and_tied_remat_carry_the_check_out_with_no_callback_under_jit():
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    ensemble = tied.jit(tied.vmap(lambda c, xt: block.decode(xt, c), in_axes=(0, None)))
+    caches = tied.stack([block.attn.cache(4, batch_shape=(1,)) for _ in range(2)])
+    assert _no_host_callback(ensemble, caches, x[:, :4])
+    ensemble(caches, x[:, :4])
+    with pytest.raises(ValueError, match=MATCH):
+        ensemble(caches, x[:, 4:5])
+    np.testing.assert_array_equal(caches.member.position.value, [4, 4])
+    for wrap in (lambda f: tied.remat(f), lambda f: tied.jit(tied.remat(f))):
+        cache = block.attn.cache(4, batch_shape=(1,))
+        step = wrap(lambda b, c, xt: b.decode(xt, c))
+        np.testing.assert_allclose(
+            step(block, cache, x[:, :4]),
+            block.decode(x[:, :4], block.attn.cache(4, batch_shape=(1,))),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        with pytest.raises(ValueError, match=MATCH):
+            step(block, cache, x[:, 4:5])
+        assert int(cache.position.value) == 4
+
+
+def test_a_refused_call_that_donated_its_cache_says_the_cache_is_gone():
+    block = TransformerBlock(8, 2, key=jax.random.key(2))
+    x = jax.random.normal(jax.random.key(3), (1, 5, 8))
+    cache = block.attn.cache(4, batch_shape=(1,))
+    step = tied.jit(lambda b, c, xt: b.decode(xt, c), donate_argnums=(1,))
+    step(block, cache, x[:, :4])
+    with pytest.raises(ValueError, match=MATCH) as e:
+        step(block, cache, x[:, 4:5])
+    assert any("donated to this call (donate_argnums) are gone" in n for n in e.value.__notes__)

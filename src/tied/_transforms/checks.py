@@ -71,7 +71,7 @@ def check(bad: Any, fail: Callable[..., None], *operands: Any) -> None:
     if scope is not None and trace is not None and trace is scope.trace:
         if all(getattr(x, "_trace", trace) is trace for x in operands):
             scope.checks.append((fail, len(operands)))
-            scope.values.extend([jnp.any(bad), *operands])
+            scope.values.extend([jnp.asarray(bad), *operands])  # whole: `fail` names the first bad one
             return
     jax.lax.cond(
         jnp.any(bad),

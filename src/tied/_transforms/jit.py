@@ -453,7 +453,15 @@ class Jitted:
         out_leaves = out.leaves
         if out.checks:  # before anything is written back: a failed check leaves the caller as it was
             n_checked = len(out_leaves) - sum(1 + n for _, n in out.checks)
-            run_checks(out.checks, out_leaves[n_checked:])
+            try:
+                run_checks(out.checks, out_leaves[n_checked:])
+            except Exception as e:
+                if entry.donated:
+                    e.add_note(
+                        "tied.jit: the arrays of the arguments donated to this call (donate_argnums) are "
+                        "gone (JAX took their buffers when the program started); nothing was written back."
+                    )
+                raise
             out_leaves = out_leaves[:n_checked]
         if written:
             n_out = len(out_leaves) - len(written)

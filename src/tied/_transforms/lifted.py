@@ -341,9 +341,10 @@ def vmap(
                 full[q] = v
             copy = rebuild(gdef, full)
             # a mapped Stack is handed over as one member (its slice of each stacked array)
-            out = f(
-                *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
-            )
+            with check_scope(list(m_leaves)) as checks:  # carried out per example, checked around
+                out = f(
+                    *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
+                )
             after, written = _read_writes("tied.vmap", gdef, full, copy, _arg_name)
             for q in written:
                 if leaf_axes[q] != 0:
@@ -353,13 +354,16 @@ def vmap(
                 gdef=out_gdef,
                 written=written,
                 totals=[i for i, x in enumerate(out_leaves) if is_total(x)],
+                checks=tuple(checks.checks),
             )
-            return _split_out(out, out_leaves, out_gdef, out_axes, learnt), [after[q] for q in written]
+            parts = _split_out(out, out_leaves, out_gdef, out_axes, learnt)
+            return parts, [after[q] for q in written], checks.values
 
         out_spec = out_axes if out_axes is None or isinstance(out_axes, int) else tuple(out_axes)
-        parts, new = jax.vmap(
-            inner, in_axes=([leaf_axes[q] for q in mapped], None), out_axes=(out_spec, 0), axis_size=axis_size
-        )([leaves[q] for q in mapped], [leaves[q] for q in fixed])
+        in_spec = ([leaf_axes[q] for q in mapped], None)
+        mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0), axis_size=axis_size)
+        parts, new, checked = mapped_fn([leaves[q] for q in mapped], [leaves[q] for q in fixed])
+        run_checks(learnt["checks"], list(checked))  # every example's flags, before the write-back
         out_leaves = _join_out(parts, learnt)
         for i in learnt["totals"]:
             mark_total(out_leaves[i])
@@ -472,15 +476,21 @@ def remat(
         def inner(given):
             copy = rebuild(gdef, given)
             call_args = [static.get(i, a) for i, a in enumerate(copy[0])]
-            out = f(*call_args, **copy[1])
+            with check_scope(list(given)) as checks:  # carried out, checked around the remat
+                out = f(*call_args, **copy[1])
             after, written = _read_writes("tied.remat", gdef, list(given), copy, place_name)
             out_leaves, out_gdef = flatten(out)
             learnt.update(
-                gdef=out_gdef, written=written, totals=[i for i, x in enumerate(out_leaves) if is_total(x)]
+                gdef=out_gdef,
+                written=written,
+                totals=[i for i, x in enumerate(out_leaves) if is_total(x)],
+                checks=tuple(checks.checks),
             )
-            return out_leaves, [after[q] for q in written]
+            return out_leaves, [after[q] for q in written], checks.values
 
-        out_leaves, new = jax.checkpoint(inner, prevent_cse=prevent_cse, policy=policy)(list(leaves))
+        remat = jax.checkpoint(inner, prevent_cse=prevent_cse, policy=policy)
+        out_leaves, new, checked = remat(list(leaves))
+        run_checks(learnt["checks"], list(checked))  # before the write-back
         for i in learnt["totals"]:
             mark_total(out_leaves[i])
         _write_back(root, gdef, leaves, learnt["written"], list(new), "tied.remat", place_name)

@@ -84,9 +84,13 @@ class KVCache:
 
 
 def _overflow(bad: Any, pos: Any, *, seq: int, max_len: int) -> None:
-    """Raise when ``seq`` more positions after ``pos`` do not fit in the cache (batched under vmap)."""
-    if np.any(bad):
-        first = int(np.max(np.asarray(pos)))
+    """Raise when ``seq`` more positions after ``pos`` do not fit in the cache. ``bad`` and ``pos``
+    may hold one value per example (``vmap``) or per step (carried out of ``tied.scan``): the
+    position named is the first one that overflowed."""
+    b = np.asarray(bad)
+    if np.any(b):
+        p = np.asarray(pos)
+        first = int(p.reshape(-1)[np.argmax(b.reshape(-1))]) if p.shape == b.shape else int(np.max(p))
         raise ValueError(
             f"KVCache: {first} positions are written and {seq} more do not fit in max_len="
             f"{max_len}. Make a larger cache, or a new one to start a new sequence."
@@ -101,6 +105,11 @@ def _attend_cached(q: Any, k: Any, v: Any, cache: KVCache) -> Any:
     # Traced, the position is known only when the program runs, where a write past the end would
     # be clamped onto the last rows (a wrong answer that raises nothing): checked then, before
     # anything is written back (eagerly at once; see `tied._transforms.checks`).
+    if seq > cache.max_len:  # never fits, wherever the cache stands (JAX would refuse the slice)
+        raise ValueError(
+            f"KVCache: {seq} positions at once do not fit in max_len={cache.max_len}, whatever is "
+            "written. Make a larger cache."
+        )
     check(pos + seq > cache.max_len, functools.partial(_overflow, seq=seq, max_len=cache.max_len), pos)
     if tuple(cache.keys.value.shape[1:]) != (*lead, heads, hd):
         raise ValueError(
