@@ -10,8 +10,8 @@ which JAX would clamp onto its last rows: a wrong answer that raises nothing) ca
   on their values after the call, before anything is written back. The program holds no host
   callback, so JAX keeps its C++ dispatch path (a callback in a decode step made a 64-token
   decode 4.5x the hand-written one: every call went through Python dispatch).
-* In a `tied.scan` body: carried out of the scan as one flag per step, and checked around it
-  (under `tied.jit`, after the call; eagerly, when the scan returns).
+* In a `tied.scan`, `tied.vmap` or `tied.remat` body: carried out as one flag per step or
+  example, and checked around it (under `tied.jit`, after the call; eagerly, when it returns).
 * Anywhere else in a traced program (`jax.jit`, `jax.vmap`, `jax.lax.scan`): a host callback
   inside a ``cond``, called only when ``bad`` holds (batched under ``vmap``: ``fail`` looks at
   every example), as Equinox's ``error_if`` does.
