@@ -19,6 +19,7 @@ from .writeback import (
     copy_scope,
     escaping_tracer,
     first_difference,
+    first_trace,
     flatten_arguments,
     note_carried,
     note_copy,
@@ -28,6 +29,7 @@ from .writeback import (
     refuse_static_writes,
     static_snapshot,
     structure_error,
+    trace_of,
     write_back,
 )
 
@@ -52,6 +54,7 @@ __all__ = [
     "escaping_tracer",
     "expand",
     "first_difference",
+    "first_trace",
     "flatten",
     "flatten_arguments",
     "fn_name",
@@ -79,6 +82,7 @@ __all__ = [
     "slots",
     "static_snapshot",
     "structure_error",
+    "trace_of",
     "ties",
     "trainable_mask",
     "transpose",

@@ -294,6 +294,17 @@ def escaping_tracer(
 _owners = threading.local()
 
 
+def trace_of(x: Any) -> Any:
+    """The JAX trace a tracer belongs to (JAX keeps it in the private ``_trace``), None for
+    anything else."""
+    return getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
+
+
+def first_trace(leaves: Any) -> Any:
+    """The trace of the first tracer among ``leaves``, or None."""
+    return next((t for t in map(trace_of, leaves) if t is not None), None)
+
+
 @contextlib.contextmanager
 def own_copy(copy: Any, gdef: GraphDef, leaves: list):
     """While the body runs, ``copy`` (a model an enclosing tied transform built inside its trace,
@@ -301,9 +312,8 @@ def own_copy(copy: Any, gdef: GraphDef, leaves: list):
     receive values of its trace (its traced leaves') or of the traces of copies registered
     around it. Its node objects are taken now, before the body can put other objects into it,
     and only where a leaf is concrete (no place of a copy traced throughout is ever asked)."""
-    Tracer = jax.core.Tracer
-    trace = next((getattr(x, "_trace", None) for x in leaves if isinstance(x, Tracer)), None)
-    needed = trace is not None and not all(isinstance(x, Tracer) for x in leaves)
+    trace = first_trace(leaves)
+    needed = trace is not None and not all(isinstance(x, jax.core.Tracer) for x in leaves)
     stack = _owners.__dict__.setdefault("stack", [])
     stack.append((node_objects(gdef, copy) if needed else [], trace))
     try:
@@ -324,7 +334,7 @@ class _Owned:
         """Whether every place of unique array ``q`` sits in a node of one copy registered by
         `own_copy`, and ``v`` is a tracer of that copy's trace or of the trace of a copy
         registered around it (a trace the copy lives in), with no plain transform in between."""
-        trace = getattr(v, "_trace", None)
+        trace = trace_of(v)
         stack = getattr(_owners, "stack", None)
         if trace is None or not stack:
             return False

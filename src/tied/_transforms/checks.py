@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core import first_trace, trace_of
+
 __all__ = ["CheckScope", "check", "check_scope", "run_checks"]
 
 _scopes = threading.local()
@@ -48,9 +50,8 @@ class CheckScope:
 @contextlib.contextmanager
 def check_scope(leaves: list):
     """Open the scope of a `tied.jit` trace whose input arrays are ``leaves`` (its tracers)."""
-    trace = next((getattr(x, "_trace", None) for x in leaves if isinstance(x, jax.core.Tracer)), None)
     stack = _scopes.__dict__.setdefault("stack", [])
-    scope = CheckScope(trace)
+    scope = CheckScope(first_trace(leaves))
     stack.append(scope)
     try:
         yield scope
@@ -67,9 +68,9 @@ def check(bad: Any, fail: Callable[..., None], *operands: Any) -> None:
         return
     stack = getattr(_scopes, "stack", None)
     scope = stack[-1] if stack else None
-    trace = getattr(bad, "_trace", None)
+    trace = trace_of(bad)
     if scope is not None and trace is not None and trace is scope.trace:
-        if all(getattr(x, "_trace", trace) is trace for x in operands):
+        if all(trace_of(x) in (None, trace) for x in operands):
             scope.checks.append((fail, len(operands)))
             scope.values.extend([jnp.asarray(bad), *operands])  # whole: `fail` names the first bad one
             return

@@ -75,6 +75,16 @@ def _write_back(
         raise (e if name is None or e.path is None else e.named(name)) from None
 
 
+def _leaves_at(n: int, *groups: tuple) -> list:
+    """The ``n`` unique arrays of a graph put back together from ``(indices, values)`` groups
+    (the stacked and broadcast ones of a scan step, the mapped and shared ones of a vmap)."""
+    full: list = [None] * n
+    for at, values in groups:
+        for q, v in zip(at, values):
+            full[q] = v
+    return full
+
+
 # ---------------------------------------------------------------- scan
 
 
@@ -180,11 +190,7 @@ def scan(
     def body(c, sl):
         carry, b = c
         s, x = sl
-        full: list = [None] * gdef.num_leaves
-        for q, v in zip(s_idx, s):
-            full[q] = v
-        for q, v in zip(b_idx, b):
-            full[q] = v
+        full = _leaves_at(gdef.num_leaves, (s_idx, s), (b_idx, b))
         copy = rebuild(gdef, full)
         layer = copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
         with check_scope(full) as checks:  # carried out per step, checked at the level around
@@ -334,11 +340,7 @@ def vmap(
         learnt: dict = {}
 
         def inner(m_leaves, f_leaves):
-            full: list = [None] * gdef.num_leaves
-            for q, v in zip(mapped, m_leaves):
-                full[q] = v
-            for q, v in zip(fixed, f_leaves):
-                full[q] = v
+            full = _leaves_at(gdef.num_leaves, (mapped, m_leaves), (fixed, f_leaves))
             copy = rebuild(gdef, full)
             # a mapped Stack is handed over as one member (its slice of each stacked array)
             with check_scope(list(m_leaves)) as checks:  # carried out per example, checked around
