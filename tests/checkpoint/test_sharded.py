@@ -626,3 +626,103 @@ def test_random_keys_transforms_and_casts_round_trip(tmp_path_factory, pattern, 
             assert back[f"p{i}"].dtype == np.float32 and np.array_equal(back[f"p{i}"], want[f"p{i}"])
             for i2, j2 in enumerate(pattern):
                 assert (back[f"p{i}"] is back[f"p{i2}"]) == (j == j2)
+
+
+# ---------------------------------------------------------------- scalars, shared layers' places, dtypes
+
+
+def test_a_model_holding_scalars_loads_with_dtype_like_and_a_transform(tmp_path):
+    bn = tied.nn.BatchNorm(3)
+    bn.num_batches_tracked.value = jnp.asarray(7, jnp.int32)  # a 0-d count, a 0-d float beside it
+    tree = {"bn": bn, "scale": jnp.asarray(1.5, jnp.float32)}
+    f = tmp_path / "m.safetensors"
+    tied.save(f, tied.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, tree))
+    plain = safetensors.numpy.load_file(f)  # the reference: what the file holds, read by safetensors
+    like = {"bn": tied.nn.BatchNorm(3), "scale": jnp.zeros((), jnp.float32)}
+    for kw in ({"dtype": "like"}, {"dtype": "like", "transform": lambda p, a: a}):
+        back = tied.load(f, like, **kw)
+        assert back["bn"].num_batches_tracked.value.shape == ()
+        assert (
+            int(back["bn"].num_batches_tracked.value) == int(plain["['bn'].num_batches_tracked.value"]) == 7
+        )
+        assert back["scale"].shape == () and back["scale"].dtype == jnp.float32
+        assert float(back["scale"]) == float(plain["['scale']"].astype(np.float32)) == 1.5
+    back = tied.load(
+        f,
+        tied.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, like),
+        transform={"['scale']": lambda a: a * 2},
+    )
+    assert back["scale"].shape == () and float(back["scale"]) == 3.0
+
+
+def shared_head(seed: int = 0):
+    """One Embedding at two places: ``['head'].weight`` is a place below the shared layer's second place."""
+    emb = Embedding(8, 4, key=jax.random.key(seed))
+    return {"embed": emb, "head": emb}
+
+
+def test_keys_may_name_an_array_at_a_place_below_a_shared_layer(tmp_path):
+    model = shared_head()
+    w = np.asarray(model["embed"].weight)
+    f = tmp_path / "m.safetensors"
+    tied.save(f, model, keys={"['head'].weight": "lm_head.weight"})
+    plain = safetensors.numpy.load_file(f)
+    assert list(plain) == ["lm_head.weight"] and np.array_equal(plain["lm_head.weight"], w)
+    asked = []
+    d = tmp_path / "set"
+    tied.save(
+        d,
+        model,
+        keys=lambda p: asked.append(p) or ("lm_head.weight" if "head" in p else None),
+        max_shard_size=100,
+    )
+    assert asked == ["['embed'].weight", "['head'].weight"]  # every place is asked, in walk order
+    assert list(index_of(d)["weight_map"]) == ["lm_head.weight"]
+    for path in (f, d):
+        back = tied.load(path, shared_head(1))  # strict: the manifest restores the shared layer
+        assert back["head"] is back["embed"] and np.array_equal(back["head"].weight, w)
+        back = tied.load(path, shared_head(1), strict=False, rename={"lm_head.weight": "['head'].weight"})
+        assert back["head"] is back["embed"] and np.array_equal(back["embed"].weight, w)
+    # The first named place in walk order gives the key, wherever the places are.
+    tied.save(f, model, keys={"['head'].weight": "lm_head.weight", "['embed'].weight": "wte"})
+    assert list(safetensors.numpy.load_file(f)) == ["wte"]
+
+
+def test_a_transform_may_name_an_array_at_a_place_below_a_shared_layer(tmp_path):
+    model = shared_head()
+    w = np.asarray(model["embed"].weight)
+    f = tmp_path / "m.safetensors"
+    tied.save(f, model, transform={"['head'].weight": lambda a: a * 2})
+    assert np.array_equal(safetensors.numpy.load_file(f)["['embed'].weight"], w * 2)  # applied, not skipped
+    with pytest.raises(tied.CheckpointError, match=r"\['embed'\].weight .* was saved through a transform"):
+        tied.load(f, shared_head(1))
+    back = tied.load(f, shared_head(1), transform={"['head'].weight": lambda a: a / 2})
+    assert back["head"] is back["embed"] and np.array_equal(back["embed"].weight, w)
+    with pytest.raises(tied.CheckpointError, match=r"two functions for one array, at \['embed'\].weight and"):
+        tied.load(f, shared_head(1), transform={"['head'].weight": np.negative, "['embed'].weight": np.abs})
+
+
+def test_a_bfloat16_file_into_a_float32_model_says_to_pass_dtype_like(tmp_path):
+    f = tmp_path / "m.safetensors"
+    tied.save(f, {"w": jnp.ones(3, jnp.bfloat16)})
+    for strict in (True, False):
+        with pytest.raises(
+            tied.CheckpointError,
+            match=r"dtype differs at \['w'\]: the file has \(3,\) bfloat16, like has \(3,\) float32\. "
+            r"Pass dtype=\"like\"",
+        ):
+            tied.load(f, {"w": jnp.zeros(3, jnp.float32)}, strict=strict)
+    assert tied.load(f, {"w": jnp.zeros(3, jnp.float32)}, dtype="like")["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_index_naming_a_directory_as_a_shard_is_a_checkpoint_error(a_set):
+    index = index_of(a_set)
+    (a_set / "sub").mkdir()
+    index["weight_map"]["model.fc.weight"] = "sub"
+    (a_set / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        tied.CheckpointError,
+        match=r"the shard sub, which the index names for 'model.fc.weight'"
+        r".*is a directory",
+    ):
+        tied.load(a_set, lm(1))

@@ -145,6 +145,7 @@ def save(
     conv = convert.Convert(transform, who="tied.save")
     leaves, doc = manifest.describe(tree, metadata)
     convert.name_arrays(doc, keys)
+    conv.bind(doc)
     conv.save(leaves, doc)
     if limit is not None:
         sharded.write_set(os.fspath(path), leaves, doc, limit)
@@ -299,7 +300,7 @@ def load(
 
         return orbax_format.load(path, like)
     src = sharded.Source(path, kind)
-    check = conv.precheck if conv else None
+    check = conv.precheck
     conv.bind(like)
     if strict:
         if src.doc is None:

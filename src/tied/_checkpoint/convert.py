@@ -16,17 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import flatten
-from .document import CheckpointError, keystr
-from .manifest import _check_leaf, stored
+from .document import CheckpointError, Manifest, keystr
+from .manifest import _check_leaf, every_place, places_of, stored
 
 
-def name_arrays(doc: dict, keys: Mapping[str, str | None] | Callable[[str], str | None] | None) -> None:
+def name_arrays(doc: Manifest, keys: Mapping[str, str | None] | Callable[[str], str | None] | None) -> None:
     """Rename the manifest's tensors by ``keys`` (place -> file key or None): each array under the
-    key of its first place (walk order) that ``keys`` names, else its own first place's path."""
+    key of its first place (walk order, every place of a shared node included) that ``keys``
+    names, else its own first place's path."""
     if keys is None:
         return
+    every = every_place(doc)  # a place below a shared node's second place may name its array too
     if isinstance(keys, Mapping):
-        known = {p for a in doc["arrays"] for p in a["places"]}
+        known = {p for ps in every for p in ps}
         unknown = [p for p in keys if p not in known]
         if unknown:
             raise CheckpointError(
@@ -42,9 +44,9 @@ def name_arrays(doc: dict, keys: Mapping[str, str | None] | Callable[[str], str 
             f"tied.save(keys=...) takes a mapping or a function, got {type(keys).__name__}."
         )
     owner: dict[str, str] = {}
-    for a in doc["arrays"]:
+    for a, places in zip(doc["arrays"], every):
         name = None
-        for p in a["places"]:
+        for p in places:
             try:
                 name = fn(p)
             except Exception as e:
@@ -93,16 +95,24 @@ class Convert:
                 f"-> array; got {type(transform).__name__}."
             )
         self.transform, self.dtype, self.who = transform, dtype, who
-        self._places: dict[int, list[str]] = {}  # id of a leaf of like -> its places (see `bind`)
+        self._every: dict[str, list[str]] = {}  # a place -> every place of its array (see `bind`)
 
-    def bind(self, like: Any) -> None:
-        """Learn every place of each array of ``like``, so that the check before reading sees a
-        transform keyed by any place of a tied array (`match` names only its first)."""
+    def bind(self, tree: Any) -> None:
+        """Learn every place of each array of ``tree`` (``like``, or a `describe`d manifest), so that
+        a mapping may name an array at any of its places, below every place of a shared node too
+        (a manifest and `match` list those at the node's first place only)."""
         if not isinstance(self.transform, Mapping):
             return
-        leaves, gdef = flatten(like)
-        for p, i in gdef.place_leaves():
-            self._places.setdefault(id(leaves[i]), []).append(p)
+        every = every_place(tree) if isinstance(tree, Manifest) else places_of(flatten(tree)[1])
+        for ps in every:
+            for p in ps:
+                # A place written alike for two arrays (an attribute named "a.b") names neither.
+                self._every[p] = [] if p in self._every and self._every[p] is not ps else ps
+
+    def _all(self, places: Sequence[str]) -> Sequence[str]:
+        """``places`` and every other place of their array (`bind`)."""
+        more = self._every.get(places[0]) if places else None
+        return [*places, *(p for p in more if p not in places)] if more else places
 
     def __bool__(self) -> bool:
         return self.transform is not None or self.dtype is not None
@@ -114,7 +124,7 @@ class Convert:
             return None
         if not isinstance(t, Mapping):
             return lambda a: t(places[0], a)
-        fns = {id(t[p]): (p, t[p]) for p in places if p in t}
+        fns = {id(t[p]): (p, t[p]) for p in self._all(places) if p in t}
         if len(fns) > 1:
             shown = " and ".join(keystr(p) for p, _ in fns.values())
             raise CheckpointError(
@@ -126,12 +136,33 @@ class Convert:
     def precheck(self, where: str, place: str, leaf: Any, shape: Any, dtype: str, key: Any = None) -> None:
         """The check `match` runs before reading: skipped where a transform will run, the dtype
         left to the cast where ``dtype="like"``."""
-        fn = self.fn(self._places.get(id(leaf), [place]))
+        fn = self.fn([place])
         if key is not None or stored(leaf)[2] is not None or fn is None and self.dtype is None:
-            return _check_leaf(where, place, leaf, shape, dtype, key)
+            return self._check(where, place, leaf, shape, dtype, key)
         if fn is not None:
             return None
         _check_leaf(where, place, leaf, shape, stored(leaf)[1] if self._castable(dtype, leaf) else dtype)
+
+    def _check(self, where: str, place: str, leaf: Any, shape: Any, dtype: str, key: Any = None) -> None:
+        """`_check_leaf`, saying where ``dtype="like"`` would have read the value (a bfloat16 file
+        into a float32 model)."""
+        want_shape, want_dtype, want_key = stored(leaf)
+        got, want = _floating(np.dtype(dtype)), _floating(np.dtype(want_dtype))
+        if (
+            self.dtype is None
+            and key is None
+            and want_key is None
+            and tuple(shape) == want_shape
+            and dtype != want_dtype
+            and got is not None
+            and got == want
+        ):
+            raise CheckpointError(
+                f"{where}: the dtype differs at {keystr(place)}: the file has {tuple(shape)} {dtype}, like "
+                f'has {want_shape} {want_dtype}. Pass dtype="like" to tied.load to cast each '
+                "floating-point value to like's dtype at its place, or build `like` with the file's dtypes."
+            )
+        _check_leaf(where, place, leaf, shape, dtype, key)
 
     def _castable(self, dtype: Any, leaf: Any) -> bool:
         got, want = _floating(np.dtype(dtype)), _floating(leaf.dtype)
@@ -168,10 +199,11 @@ class Convert:
                 "only. Build like with the file's dtype there."
             )
         try:
-            _check_leaf(where, places[0], leaf, x.shape, x.dtype.name)
+            self._check(where, places[0], leaf, x.shape, x.dtype.name)
         except CheckpointError as e:
             raise CheckpointError(f"{e} (read from {what}{', after the transform' if fn else ''})") from None
-        return np.ascontiguousarray(x)
+        # Not np.ascontiguousarray: it gives a 0-d array (a BatchNorm's count) a shape of (1,).
+        return x if x.flags.c_contiguous else np.array(x, order="C")
 
     def save(self, leaves: list, doc: dict) -> None:
         """Apply the transform to each array to be written, and record what is stored."""

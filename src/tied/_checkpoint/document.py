@@ -84,9 +84,13 @@ class Manifest(dict):
     """A manifest as `tied._checkpoint.manifest.describe` gives it: the JSON document (this dict), and
     beside it
     (not part of the document) its `PlaceTable`, which `pack` writes instead of the paths where
-    they grow too long."""
+    they grow too long, and the tree's GraphDef, from which `manifest.every_place` gives each
+    array's places at every place of a shared node (a place ``keys=``, ``transform=`` and
+    ``only=`` of `tied.save` may name)."""
 
     table: PlaceTable | None = None
+    gdef: Any = None  # the described tree's GraphDef (`manifest.every_place` reads it)
+    every: list[list[str]] | None = None  # every place of each array, below shared nodes too
 
 
 def pack(doc: dict) -> dict:

@@ -285,6 +285,7 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         ],
         user=user,
     )
+    doc.gdef = gdef
     doc.table = PlaceTable(
         [[p, k] for p, k in zip(placing.parents, placing.pieces)],
         placing.arrays,
@@ -293,6 +294,24 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         [ts for ts, _ in layouts],
     )
     return out, doc
+
+
+def places_of(gdef: GraphDef) -> list[list[str]]:
+    """Every place of each unique array, in walk order, below every place of a shared node too
+    (a manifest records the places below a shared node at its first place only; a caller may
+    name any of them: ``['head'].weight`` where the head is the embedding)."""
+    out: list[dict[str, None]] = [{} for _ in range(gdef.num_leaves)]
+    for p, i in gdef.place_leaves():
+        out[i][p] = None
+    return [list(ps) for ps in out]
+
+
+def every_place(doc: Manifest) -> list[list[str]]:
+    """`places_of` the tree a manifest of `describe` describes (walked once, when first asked: a
+    deep model's expanded paths are long)."""
+    if doc.every is None:
+        doc.every = places_of(doc.gdef)
+    return doc.every
 
 
 def _plain(layout: Any, ts: Sequence[int], placing: _Placing) -> Any:

@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import sys
 import zlib
 from collections.abc import Callable, Sequence
@@ -439,7 +440,17 @@ def _check_doc(doc: dict, tensors: dict[str, Tensor], where: str) -> dict:
 
 
 def open_header(path: str) -> Header:
-    """Open ``path`` and read its checked header (the file is closed again)."""
+    """Open ``path`` and read its checked header (the file is closed again).
+
+    Raises:
+        FileNotFoundError: nothing is there (the caller says what was expected).
+        CheckpointError: something other than a regular file is there (a directory, a pipe
+            that would block the read), or its header is not a checked safetensors header.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise corrupt(path, f"it is {what}, where a safetensors file was expected")
     with open(path, "rb") as f:
         return read_header(f, path)
 
