@@ -726,3 +726,47 @@ def test_an_index_naming_a_directory_as_a_shard_is_a_checkpoint_error(a_set):
         r".*is a directory",
     ):
         tied.load(a_set, lm(1))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_save_killed_after_its_commit_leaves_old_shards_that_the_next_save_removes(tmp_path, monkeypatch):
+    tied.save(tmp_path, lm(0), max_shard_size=1050)  # 3 shards
+    old = shards_of(tmp_path)
+    assert old == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    foreign = {  # files this code did not write, each one a near miss of the shards' pattern
+        "config.json": "{}",
+        "other-00001-of-00003.safetensors": "x",
+        "pytorch_model-00001-of-00003.bin": "x",
+        "model-1-of-3.safetensors": "x",
+        "model-00001-of-00003.safetensors.bak": "x",
+        "model-00007-of-00009.safetensors": "x",  # named by another index
+        "adapter.safetensors.index.json": json.dumps(
+            {"weight_map": {"a": "model-00007-of-00009.safetensors"}}
+        ),
+    }
+    for name, text in foreign.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "model-00008-of-00009.safetensors").mkdir()  # not a file: stays
+
+    def stop(name):
+        if name == "remove":
+            raise Killed
+
+    monkeypatch.setattr(_sharded, "_step", stop)
+    with pytest.raises(Killed):
+        tied.save(tmp_path, lm(1), max_shard_size=5000)  # 2 shards; killed after the commit
+    monkeypatch.undo()
+    assert set(old) <= set(os.listdir(tmp_path))  # the old set's shards are still there
+    assert same(tied.load(tmp_path, lm(9)), lm(1))  # the new set is the one that loads
+    tied.save(tmp_path, lm(2), max_shard_size=5000)
+    assert same(tied.load(tmp_path, lm(9)), lm(2))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [*foreign, "model-00008-of-00009.safetensors", "model.safetensors.index.json"]
+        + ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    )
+    for name, text in foreign.items():
+        assert (tmp_path / name).read_text() == text
+    assert hidden(tmp_path) == []

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ except ImportError:  # pragma: no cover - Windows: no directory lock
 SINGLE = "model.safetensors"  # what save_pretrained writes when the model fits one file
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r".+-\d{5}-of-\d{5}\.safetensors\Z")
+_OURS = re.compile(r"model-\d{5}-of-\d{5}\.safetensors\Z")  # the shards `write_set` names
 _BACKUP = ".tied-old-"
 _TMP = ".tied-tmp-"
 
@@ -438,21 +440,49 @@ def _protect(folder: str, active: str | None, new_names: set[str]) -> None:
     safetensors_format._atomic_write(active, lambda f: f.write(text))
 
 
+def _indexed(folder: str, entries: Sequence[str]) -> set[str] | None:
+    """Every file an index in ``folder`` names (ours and any other library's), or None where an
+    index cannot be read (what it names is then unknown, so nothing is taken for unnamed)."""
+    named: set[str] = set()
+    for e in entries:
+        if e.startswith(".") or not e.endswith(".safetensors.index.json"):
+            continue
+        try:
+            named.update(read_index(os.path.join(folder, e))[0].values())
+        except (CheckpointError, OSError):
+            return None
+    return named
+
+
 def _clean(folder: str, active: str | None) -> None:
-    """Remove what dead saves left: temporary files whose lock is free, backups no index names."""
+    """Remove what dead saves left: temporary files whose lock is free, backups no index names, and
+    shards named as this code names them (``model-0000k-of-0000N.safetensors``) that no index names
+    (a save killed after its commit, before it removed the old set's). Other files stay."""
     named: set[str] = set()
     if active is not None:
         try:
             named = set(read_index(active)[0].values())
         except CheckpointError:
             pass
-    for e in os.listdir(folder):
+    entries = os.listdir(folder)
+    indexed = _indexed(folder, entries)
+    for e in entries:
+        full = os.path.join(folder, e)
+        if _OURS.match(e) and indexed is not None and e not in indexed and _regular(full):
+            safetensors_format._unlink_quietly(full)
         if not e.startswith("."):
             continue
         if _TMP in e:
             safetensors_format._remove_leftovers(os.path.join(folder, e[1 : e.index(_TMP)]))
         elif _BACKUP in e and e not in named:
-            safetensors_format._unlink_quietly(os.path.join(folder, e))
+            safetensors_format._unlink_quietly(full)
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _lock_dir(folder: str) -> int | None:
