@@ -42,6 +42,7 @@ def save(
     keys: Mapping[str, str | None] | Callable[[str], str | None] | None = None,
     transform: Mapping[str, Callable] | Callable[[str, Any], Any] | None = None,
     max_shard_size: int | str | None = None,
+    only: Callable[[str, Any], bool] | None = None,
 ) -> None:
     """Write a model (or an optimiser state, or any object graph) to a checkpoint, ties and all.
 
@@ -64,6 +65,17 @@ def save(
     ``weight_map``, and the tie manifest under ``metadata.tied``). A set already
     there is replaced as a whole (a crash leaves the old set or the new one);
     other files (a ``config.json``) stay.
+
+    With ``only`` the file holds only the arrays the predicate selects (adapters,
+    say: a few MiB beside a base of GiB), each once, and a fingerprint of everything
+    it left out: the places, ties, shapes and dtypes of the rest of the model, not
+    its values. `tied.load` of such a file fills those arrays into a copy of ``like``
+    and keeps the rest of ``like`` as it is, once ``like``'s left-out part matches the
+    fingerprint. ``only(place, array)`` is asked at every place of each array (below
+    every place of a shared layer too, places written as tied prints them); an array
+    at several places is one array, saved if it is selected at *any* of its places
+    (so a tie is never cut by a file). Single files, sharded sets, ``keys`` and
+    ``transform`` (applied to the saved arrays) work with it; Orbax does not.
 
     With ``format="orbax"`` the checkpoint is an Orbax directory at ``path``;
     every process calls `save`, and each writes only its own shards.
@@ -89,13 +101,17 @@ def save(
             what is stored, so reading it back needs the inverse transform.
         max_shard_size: write a sharded set into the directory ``path``: bytes, or a string
             as ``transformers`` reads it (``"5GB"`` is 5*10**9 bytes, ``"5GiB"`` 5*2**30).
+        only: a predicate ``(place, array) -> bool``: save the arrays it selects (at any of
+            their places) and a fingerprint of the rest (``tied.under(...)`` or a function of
+            your own). None saves everything.
 
     Raises:
         CheckpointError: two arrays given one key (a ``ValueError`` naming both places); an
             array the format cannot hold (a dtype, an array this
             process cannot fully read), or metadata that is not JSON; the message
             names the path; two places written alike with the same keys (two
-            ``float("nan")`` dict keys). Nothing is written then.
+            ``float("nan")`` dict keys); ``only`` that selects no array, or with
+            ``format="orbax"``. Nothing is written then.
 
     Examples:
         >>> import os, tempfile, jax, tied
@@ -121,8 +137,25 @@ def save(
         >>> back = tied.load(folder, like=model)
         >>> back.layers[0].weight is back.layers[1].weight
         True
+
+        Some arrays only (a trained bias here), with a fingerprint of the rest (the tied weight):
+
+        >>> import jax.numpy as jnp
+        >>> base = Chain(d1, Dense(d1.weight, jnp.zeros(2)))         # the head's weight is d1's
+        >>> trained = Chain(d1, Dense(d1.weight, jnp.ones(2)))
+        >>> tied.save(path, trained, only=lambda place, a: place == ".layers[1].bias")
+        >>> back = tied.load(path, like=base)                         # the bias filled into base
+        >>> back.layers[1].bias.tolist(), back.layers[1].weight is back.layers[0].weight is d1.weight
+        ([1.0, 1.0], True)
     """
     if format == "orbax":
+        if only is not None:
+            raise CheckpointError(
+                "tied.save(format='orbax', only=...): a file of some arrays (adapters) and a fingerprint "
+                "of the rest is a safetensors file; an Orbax checkpoint (and tied.CheckpointManager's "
+                "steps) holds the whole tree. Drop format='orbax' (add max_shard_size=... for a "
+                "sharded set)."
+            )
         if keys is not None or transform is not None or max_shard_size is not None:
             raise CheckpointError(
                 "tied.save(format='orbax'): keys, transform and max_shard_size apply to safetensors "
@@ -144,6 +177,8 @@ def save(
         )
     conv = convert.Convert(transform, who="tied.save")
     leaves, doc = manifest.describe(tree, metadata)
+    if only is not None:
+        convert.leave_out(doc, only)
     convert.name_arrays(doc, keys)
     conv.bind(doc)
     conv.save(leaves, doc)
@@ -221,6 +256,13 @@ def load(
     (a tied embedding stored once fills both places), and the ties are
     ``like``'s. Keys at two places of one array must hold equal values.
 
+    A file saved with ``tied.save(..., only=...)`` holds some arrays and a
+    fingerprint of the rest: it is loaded with ``strict=True``, which fills those
+    arrays into the copy of ``like`` and keeps every other array of ``like`` as it
+    is (the same object). ``like``'s left-out part must be the saved model's
+    (places, ties, shapes and dtypes: another base is refused, naming the first
+    difference); ``dtype`` and ``transform`` apply to the arrays read.
+
     Args:
         path: a file written by `tied.save` (or, with ``strict=False``, any
             safetensors file), or an Orbax checkpoint directory.
@@ -245,14 +287,17 @@ def load(
     Returns:
         The new graph: where the checkpoint has one array at several places, the
         result has one object there (``is``), views of the loaded sources, and
-        ``like``'s static fields.
+        ``like``'s static fields (and, for a file saved with ``only``, ``like``'s own
+        arrays where the file left them out).
 
     Raises:
         CheckpointError: the file is truncated, corrupted or hostile, or its
             places, sharing, dtypes or shapes differ from ``like``'s (with
             ``strict=False``: an array of ``like`` none of whose places is in
             the file, keys that name no place, values that differ at two places
-            of one array); the message names the path and both sides.
+            of one array); the message names the path and both sides. A file saved with
+            ``only`` whose left-out part differs from ``like`` (another base), or read with
+            ``strict=False``.
 
     Examples:
         >>> import os, tempfile, jax, tied
@@ -302,26 +347,36 @@ def load(
     src = sharded.Source(path, kind)
     check = conv.precheck
     conv.bind(like)
-    if strict:
-        if src.doc is None:
-            raise _plain_file(path)
-        m = manifest.match(src.doc, like, path, check)
-        src.check(m.entries)
-        conv.require(path, m.entries, m.paths)
-        _check_shardings(m, path)
-        names = [e["name"] for e in m.entries]
-        algo = safetensors_format.checksum_of(src.doc)
-        arrays = src.read(names, [e[algo] for e in m.entries], algo)
-        if conv:
-            arrays = [
-                conv.apply(path, ps, src.where(n), x, y)
-                for n, x, y, ps in zip(names, arrays, m.like, m.paths)
-            ]
-    else:
+    partial = src.doc is not None and any(a.get("left_out") for a in src.doc["arrays"])
+    if not strict:
+        if partial:
+            raise CheckpointError(
+                f"{path}: saved with tied.save(only=...): it holds some arrays of a model and a "
+                "fingerprint of the rest. Load it with tied.load(path, like) (strict=True), which fills "
+                "those arrays into like and keeps the rest of like."
+            )
         m = match_keys(src.keys, like, path, rename=rename, allow_extra=allow_extra, check=check)
         _check_shardings(m, path)
         arrays = _read_by_keys(src, m, conv)
-    return manifest.build(m, [_own(x, leaf) for x, leaf in zip(arrays, m.like)])
+        return manifest.build(m, [_own(x, leaf) for x, leaf in zip(arrays, m.like)])
+    if src.doc is None:
+        raise _plain_file(path)
+    m = manifest.match(src.doc, like, path, check)
+    read = convert.stored_entries(m.entries)  # every array, but those the file left out
+    out = list(m.like)  # a left-out array: like's own, as it is
+    if read:
+        sub = manifest.Match(
+            m.gdef, [m.like[i] for i in read], [m.entries[i] for i in read], [m.paths[i] for i in read]
+        )
+        src.check(sub.entries)
+        conv.require(path, sub.entries, sub.paths)
+        _check_shardings(sub, path)
+        names = [e["name"] for e in sub.entries]
+        algo = safetensors_format.checksum_of(src.doc)
+        arrays = src.read(names, [e[algo] for e in sub.entries], algo)
+        for i, n, x, leaf, ps in zip(read, names, arrays, sub.like, sub.paths):
+            out[i] = _own(conv.apply(path, ps, src.where(n), x, leaf) if conv else x, leaf)
+    return manifest.build(m, out)
 
 
 def _read_by_keys(src: sharded.Source, m: manifest.Match, conv: convert.Convert) -> list:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import flatten
-from .document import CheckpointError, Manifest, keystr
+from .document import PARTIAL, CheckpointError, Manifest, keystr
 from .manifest import _check_leaf, every_place, places_of, stored
 
 
@@ -45,6 +45,8 @@ def name_arrays(doc: Manifest, keys: Mapping[str, str | None] | Callable[[str], 
         )
     owner: dict[str, str] = {}
     for a, places in zip(doc["arrays"], every):
+        if a.get("left_out"):  # not in the file: no key
+            continue
         name = None
         for p in places:
             try:
@@ -63,6 +65,8 @@ def name_arrays(doc: Manifest, keys: Mapping[str, str | None] | Callable[[str], 
             )
         a["name"] = name
     for a in doc["arrays"]:
+        if a.get("left_out"):
+            continue
         if a["name"] in owner:
             raise CheckpointError(
                 f"tied.save(keys=...): two arrays get the key {a['name']!r}: the one at "
@@ -70,6 +74,46 @@ def name_arrays(doc: Manifest, keys: Mapping[str, str | None] | Callable[[str], 
                 "Give them different keys, or tie them first."
             )
         owner[a["name"]] = a["places"][0]
+
+
+def leave_out(doc: Manifest, only: Callable[[str, Any], Any]) -> None:
+    """Mark the arrays ``only`` does not select as left out (``tied.save(only=...)``): described
+    (places, ties, shapes, dtypes) but not stored. ``only(place, array)`` is asked at every place of
+    each unique array, below every place of a shared node too, in walk order; an array is stored if
+    it is selected at any of its places (one array at several places is one array: never cut)."""
+    if not callable(only):
+        raise CheckpointError(
+            f"tied.save(only=...) takes a predicate (place, array) -> bool, got {type(only).__name__}."
+        )
+    keep = []
+    for places, leaf in zip(every_place(doc), doc.leaves or ()):
+        chosen = False
+        for p in places:
+            try:
+                chosen = bool(only(p, leaf)) or chosen
+            except Exception as e:
+                raise CheckpointError(
+                    f"tied.save(only=...) failed at {keystr(p)} ({type(e).__name__}: {e})."
+                ) from e
+        keep.append(chosen)
+    if not any(keep):
+        raise CheckpointError(
+            "tied.save(only=...) selects no array of the tree, so the file would hold nothing. The "
+            "predicate is asked (place, array) at every place of each array, with places written as "
+            "tied prints them ('.layers[0].weight', \"['head'].lora_A\"); check it against tied.summary."
+        )
+    if all(keep):
+        return  # everything selected: an ordinary checkpoint
+    for a, k in zip(doc["arrays"], keep):
+        if not k:
+            del a["name"]
+            a["left_out"] = True
+    doc["version"] = PARTIAL
+
+
+def stored_entries(entries: Sequence[dict]) -> list[int]:
+    """The indices of the entries a file stores (not left out by ``only=``)."""
+    return [i for i, a in enumerate(entries) if not a.get("left_out")]
 
 
 def _floating(dt: Any) -> str | None:
@@ -211,7 +255,7 @@ class Convert:
             return
         for i, a in enumerate(doc["arrays"]):
             fn = self.fn(a["places"])
-            if fn is None or "key" in a:
+            if fn is None or "key" in a or a.get("left_out"):
                 continue
             try:
                 y = np.asarray(fn(np.asarray(leaves[i])))
@@ -226,7 +270,7 @@ class Convert:
     def require(self, where: str, entries: Sequence[dict], paths: Sequence[Sequence[str]]) -> None:
         """Refuse a strict load that gives no transform where the save stored a transformed value."""
         for a, ps in zip(entries, paths):
-            if a.get("transformed") is True and self.fn(ps) is None:
+            if a.get("transformed") is True and not a.get("left_out") and self.fn(ps) is None:
                 raise CheckpointError(
                     f"{where}: the array at {keystr(ps[0])} ({a['name']!r}) was saved through a transform "
                     "(tied.save(transform=...)), so its stored value is not like's. Pass the inverse as "

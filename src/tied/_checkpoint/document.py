@@ -23,6 +23,7 @@ __all__ = [
     "Manifest",
     "PlaceTable",
     "FORMAT",
+    "PARTIAL",
     "READS",
     "VERSION",
     "corrupt",
@@ -39,8 +40,11 @@ FORMAT = "tied"
 # 2: the same manifest, and the checksum algorithm is named by the format that stores it.
 # 3: places as a table of (parent, keystr piece) (`pack`), typed keys, state marked.
 # 4: the layouts of nodes whose static data gives their arrays' meaning (a tied.Stack's stacked places).
+# 5: arrays left out by `tied.save(only=...)`, described (``"left_out": true``) but not stored; written
+#    only by such a save, so that a tied that reads 4 refuses the file by its version.
 VERSION = 4
-READS = (1, 2, 3, 4)
+PARTIAL = 5
+READS = (1, 2, 3, 4, 5)
 _PATHS_INLINE = 1_000_000  # past this many characters of paths, `pack` writes the place table
 _MAX_PATH_CHARS = 1 << 30  # the most characters a stored place table may unfold into
 _MAX_NDIM = 64
@@ -90,6 +94,7 @@ class Manifest(dict):
 
     table: PlaceTable | None = None
     gdef: Any = None  # the described tree's GraphDef (`manifest.every_place` reads it)
+    leaves: list | None = None  # the tree's own unique arrays (typed keys as keys), for `only=`
     every: list[list[str]] | None = None  # every place of each array, below shared nodes too
 
 
@@ -210,16 +215,48 @@ def validate(doc: Any, where: str) -> dict:
         raise bad("'arrays' is not a list")
     if "place_table" in doc:
         _unpack(doc, bad)
+    _check_arrays(arrays, version, bad, paths_list)
+    nodes = doc.get("shared_nodes")
+    if not isinstance(nodes, list):
+        raise bad("'shared_nodes' is not a list")
+    for g in nodes:
+        paths_list(g, "a shared node's places")
+    views = doc.get("views")
+    if not isinstance(views, list):
+        raise bad("'views' is not a list")
+    for v in views:
+        if not isinstance(v, dict) or not isinstance(v.get("fn"), str):
+            raise bad("a view entry has no function name")
+        paths_list(v.get("places"), "a view's places")
+        if "source" not in v or not (v["source"] is None or isinstance(v["source"], str)):
+            raise bad("a view's source is not a path")
+    _check_layouts(doc, version, bad, paths_list)
+    if not isinstance(doc.get("user", {}), dict):
+        raise bad("'user' is not an object")
+    return doc
+
+
+def _check_arrays(
+    arrays: list, version: int, bad: Callable[[str], CheckpointError], paths_list: Callable
+) -> None:
+    """The array entries: a unique tensor name (none for an array left out by ``only=``, version
+    5 on), a dtype name, a shape, places (with their keys where two are written alike)."""
     named: set[str] = set()
     for k, a in enumerate(arrays):
         if not isinstance(a, dict):
             raise bad(f"array {k} is not an object")
+        if "left_out" in a and (a["left_out"] is not True or version < PARTIAL):
+            raise bad(f"array {k} has a left_out mark that is not true in a version {PARTIAL} manifest")
         name = a.get("name")
-        if not isinstance(name, str):
+        if a.get("left_out"):  # described, not stored: no tensor of its own
+            a.pop("name", None)
+            name = f"left out {k}"  # for the messages below
+        elif not isinstance(name, str):
             raise bad(f"array {k} has no tensor name (found {type(name).__name__})")
-        if name in named:
+        elif name in named:
             raise bad(f"array {k} names tensor {name!r}, which another array names too")
-        named.add(name)
+        else:
+            named.add(name)
         if not isinstance(a.get("dtype"), str):
             raise bad(f"array {name!r} has no dtype name")
         if not valid_shape(a.get("shape")):
@@ -247,24 +284,6 @@ def validate(doc: Any, where: str) -> dict:
                 if (p, tuple(a["place_keys"][j])) in placed:
                     raise bad(f"the place {keystr(p)} is listed twice with the same keys")
                 placed.add((p, tuple(a["place_keys"][j])))
-    nodes = doc.get("shared_nodes")
-    if not isinstance(nodes, list):
-        raise bad("'shared_nodes' is not a list")
-    for g in nodes:
-        paths_list(g, "a shared node's places")
-    views = doc.get("views")
-    if not isinstance(views, list):
-        raise bad("'views' is not a list")
-    for v in views:
-        if not isinstance(v, dict) or not isinstance(v.get("fn"), str):
-            raise bad("a view entry has no function name")
-        paths_list(v.get("places"), "a view's places")
-        if "source" not in v or not (v["source"] is None or isinstance(v["source"], str)):
-            raise bad("a view's source is not a path")
-    _check_layouts(doc, version, bad, paths_list)
-    if not isinstance(doc.get("user", {}), dict):
-        raise bad("'user' is not an object")
-    return doc
 
 
 def _check_layouts(

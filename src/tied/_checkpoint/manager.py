@@ -300,7 +300,13 @@ class CheckpointManager:
     # ------------------------------------------------------------ saving
 
     def save(
-        self, step: int, tree: Any, metadata: Mapping[str, Any] | None = None, *, force: bool = False
+        self,
+        step: int,
+        tree: Any,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+        only: None = None,
     ) -> bool:
         """Save ``tree`` as ``step`` if the step is due (divisible by ``save_interval_steps``, or ``force``).
 
@@ -318,6 +324,8 @@ class CheckpointManager:
                 shared array or node is stored once.
             metadata: JSON-serialisable values under string keys, read back by `metadata`.
             force: save even when ``step`` is not due.
+            only: must be None: a step holds the whole tree (a file of some arrays, adapters say,
+                is ``tied.save(path, tree, only=...)``).
 
         Returns:
             Whether the step was saved.
@@ -325,7 +333,8 @@ class CheckpointManager:
         Raises:
             CheckpointError: a step that is not a non-negative int (a bool or a float is
                 refused), or not greater than the latest step; an array that cannot be
-                saved (named by path); metadata that is not JSON. Nothing is written then.
+                saved (named by path); metadata that is not JSON; ``only`` given. Nothing is
+                written then.
 
         Examples:
             >>> import tempfile, jax.numpy as jnp, tied
@@ -334,6 +343,12 @@ class CheckpointManager:
             ...     [mngr.save(s, {"a": w, "b": w}) for s in range(1, 11)]
             [False, False, False, False, True, False, False, False, False, True]
         """
+        if only is not None:
+            raise CheckpointError(
+                "tied.CheckpointManager.save(only=...): a managed step is an Orbax checkpoint of the whole "
+                "tree, which restore reads whole. A file of some arrays (adapters) and a fingerprint of the "
+                "rest is tied.save(path, tree, only=...), a safetensors file: write it beside the steps."
+            )
         with self._lock:
             self._open("save")
             step = _int_step(step, "save")

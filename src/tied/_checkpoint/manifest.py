@@ -285,7 +285,7 @@ def describe(tree: Any, metadata: Mapping[str, Any] | None = None) -> tuple[list
         ],
         user=user,
     )
-    doc.gdef = gdef
+    doc.gdef, doc.leaves = gdef, leaves
     doc.table = PlaceTable(
         [[p, k] for p, k in zip(placing.parents, placing.pieces)],
         placing.arrays,
@@ -438,7 +438,7 @@ def _layouts_differ(where: str, doc: dict, gdef: GraphDef, placing: _Placing) ->
                 f"({_show_layout(like_layouts[0][1])}) "
                 "is taken from like unchecked. Load it into a like built as the saved model was, then "
                 "save it again to record its layout.",
-                stacklevel=4,
+                stacklevel=5,
             )
         return
     # A place is its keystr pieces from the root: two places written alike (an attribute named
@@ -523,6 +523,72 @@ def _check_leaf(
         )
 
 
+_PARTIAL = (
+    "(The file was saved with tied.save(only=...): it holds some arrays and a fingerprint of the rest "
+    "of the model, which like must match: the same places, ties, shapes and dtypes as the model the "
+    "arrays were saved from.)"
+)
+
+
+def _structure(
+    where: str, doc: dict, gdef: GraphDef, placing: _Placing, like_ids: list[list[tuple]]
+) -> tuple[list[list[tuple]], dict[tuple, int]]:
+    """Refuse a file whose views, layouts, shared nodes, array places or ties differ from
+    ``like``'s (the first difference named); return ``like``'s array places (`_array_ids`) and
+    the file's array entry at each place."""
+    like_views = gdef.views()
+    like_view_ids = _ids([v.paths for v in like_views])
+    file_view_ids = _ids([v["places"] for v in doc["views"]])
+    like_v = {p: (fn_name(v.fn), v.source) for v, ids in zip(like_views, like_view_ids) for p in ids}
+    file_v = {p: (v["fn"], v["source"]) for v, ids in zip(doc["views"], file_view_ids) for p in ids}
+    if len(file_v) != sum(len(ids) for ids in file_view_ids):
+        raise corrupt(where, "a place is listed under two views")
+    for p in sorted(set(like_v) | set(file_v)):
+        lv, fv = like_v.get(p), file_v.get(p)
+        if lv is None or fv is None:
+            fn, source = lv or fv  # type: ignore[misc]
+            side, other = ("like", "the file") if lv else ("the file", "like")
+            raise CheckpointError(
+                f"{where}: {keystr(p[0])} is a view ({fn} of {keystr(source)}) in {side} but "
+                f"not in {other}. Build `like` with the same tied.view places as the saved model."
+            )
+        if lv != fv:
+            raise CheckpointError(
+                f"{where}: the view at {keystr(p[0])} differs: like has {lv[0]} of "
+                f"{keystr(lv[1])}, the file has {fv[0]} of {keystr(fv[1])}."
+            )
+    _layouts_differ(where, doc, gdef, placing)
+    _groups_differ(where, "node", _ids(gdef.shared_node_paths()), _ids(doc["shared_nodes"]))
+
+    file_ids = _array_ids([a["places"] for a in doc["arrays"]], [a.get("place_keys") for a in doc["arrays"]])
+    like_at = {p: i for i, ids in enumerate(like_ids) for p in ids}
+    file_at = {p: k for k, ids in enumerate(file_ids) for p in ids}
+    only_like = [p for p in like_at if p not in file_at]
+    if only_like:
+        raise _missing(where, only_like, "like", "the file", {p for p, _ in file_at})
+    only_file = [p for p in file_at if p not in like_at]
+    if only_file:
+        raise _missing(where, only_file, "the file", "like", {p for p, _ in like_at})
+    _groups_differ(where, "array", like_ids, file_ids)
+    return like_ids, file_at
+
+
+def _check_left_out(
+    where: str, place: str, leaf: Any, shape: Sequence[int], dtype: str, key: str | None = None
+) -> None:
+    """An array the file left out (`tied.save(only=...)`) stays like's own, so like must have there
+    exactly what the saved model had: nothing is read, cast or transformed."""
+    want, got = stored(leaf), (tuple(shape), dtype, key)
+    if want != got:
+        what = "shape" if want[0] != got[0] else "dtype" if want[1] != got[1] else "kind of array"
+        raise CheckpointError(
+            f"{where}: the {what} differs at {keystr(place)}, which the file leaves out (saved with "
+            f"tied.save(only=...)): the model it was saved from had {_show_stored(*got)} there, like has "
+            f"{_show_stored(*want)}. like is another base; load the file into the model its arrays "
+            "were saved from."
+        )
+
+
 def match(doc: dict, like: Any, where: str, check: Callable[..., None] | None = None) -> Match:
     """Check a (validated) manifest against ``like`` and pair each unique array of ``like`` with an entry.
 
@@ -565,47 +631,21 @@ def match(doc: dict, like: Any, where: str, check: Callable[..., None] | None = 
         for ps, ts in zip(paths, placing.arrays)
     ]
 
-    like_views = gdef.views()
-    like_view_ids = _ids([v.paths for v in like_views])
-    file_view_ids = _ids([v["places"] for v in doc["views"]])
-    like_v = {p: (fn_name(v.fn), v.source) for v, ids in zip(like_views, like_view_ids) for p in ids}
-    file_v = {p: (v["fn"], v["source"]) for v, ids in zip(doc["views"], file_view_ids) for p in ids}
-    if len(file_v) != sum(len(ids) for ids in file_view_ids):
-        raise corrupt(where, "a place is listed under two views")
-    for p in sorted(set(like_v) | set(file_v)):
-        lv, fv = like_v.get(p), file_v.get(p)
-        if lv is None or fv is None:
-            fn, source = lv or fv  # type: ignore[misc]
-            side, other = ("like", "the file") if lv else ("the file", "like")
-            raise CheckpointError(
-                f"{where}: {keystr(p[0])} is a view ({fn} of {keystr(source)}) in {side} but "
-                f"not in {other}. Build `like` with the same tied.view places as the saved model."
-            )
-        if lv != fv:
-            raise CheckpointError(
-                f"{where}: the view at {keystr(p[0])} differs: like has {lv[0]} of "
-                f"{keystr(lv[1])}, the file has {fv[0]} of {keystr(fv[1])}."
-            )
-    _layouts_differ(where, doc, gdef, placing)
-    _groups_differ(where, "node", _ids(gdef.shared_node_paths()), _ids(doc["shared_nodes"]))
-
-    like_ids = _array_ids(paths, keys)
-    file_ids = _array_ids([a["places"] for a in doc["arrays"]], [a.get("place_keys") for a in doc["arrays"]])
-    like_at = {p: i for i, ids in enumerate(like_ids) for p in ids}
-    file_at = {p: k for k, ids in enumerate(file_ids) for p in ids}
-    only_like = [p for p in like_at if p not in file_at]
-    if only_like:
-        raise _missing(where, only_like, "like", "the file", {p for p, _ in file_at})
-    only_file = [p for p in file_at if p not in like_at]
-    if only_file:
-        raise _missing(where, only_file, "the file", "like", {p for p, _ in like_at})
-    _groups_differ(where, "array", like_ids, file_ids)
+    try:
+        like_ids, file_at = _structure(where, doc, gdef, placing, _array_ids(paths, keys))
+    except CheckpointError as e:
+        if any(a.get("left_out") for a in doc["arrays"]):
+            raise CheckpointError(f"{e} {_PARTIAL}") from None
+        raise
 
     entries = []
     marks = doc["version"] >= 3  # earlier files do not say which arrays are state
     for leaf, ids, is_state in zip(leaves, like_ids, gdef.state_leaves()):
         a = doc["arrays"][file_at[ids[0]]]
-        (check or _check_leaf)(where, ids[0][0], leaf, a["shape"], a["dtype"], a.get("key"))
+        # An array the file left out (`tied.save(only=...)`) is like's own: exactly the saved base's.
+        (_check_left_out if a.get("left_out") else check or _check_leaf)(
+            where, ids[0][0], leaf, a["shape"], a["dtype"], a.get("key")
+        )
         if marks and a.get("state", False) != is_state:
             kinds = ("a parameter", "state") if is_state else ("state", "a parameter")
             raise CheckpointError(

@@ -351,6 +351,8 @@ def _read_manifest(ckpt: str, where: str) -> dict:
     except Exception as e:  # Orbax's errors for a missing or unreadable item vary by version
         raise document.corrupt(where, f"its manifest {manifest} cannot be read ({_brief(e)})") from e
     doc = document.validate(doc, where)
+    if any(a.get("left_out") for a in doc["arrays"]):  # only tied.save(only=...) writes these, in safetensors
+        raise document.corrupt(where, "its manifest leaves arrays out, which an Orbax checkpoint never does")
     storage = doc.get("storage")
     if not isinstance(storage, dict) or storage.get("format") != FORMAT:
         raise document.corrupt(where, "the manifest does not describe an Orbax checkpoint")

@@ -115,6 +115,8 @@ def _little_endian(a: np.ndarray) -> np.ndarray:
 def check_savable(leaves: Sequence[Any], doc: dict) -> None:
     """Refuse, before a byte is written, any array this format cannot store, naming its path."""
     for leaf, a in zip(leaves, doc["arrays"]):
+        if a.get("left_out"):  # described, not stored (`tied.save(only=...)`)
+            continue
         place = keystr(a["places"][0])
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise CheckpointError(
@@ -166,8 +168,10 @@ def write(path: str | os.PathLike, leaves: Sequence[Any], doc: dict) -> None:
     """
     check_savable(leaves, doc)
     arrays = doc["arrays"]
-    dtypes = [_DTYPES[_TAGS[a["dtype"]]] for a in arrays]
-    order = sorted(range(len(arrays)), key=lambda i: -dtypes[i].itemsize)
+    dtypes = {
+        i: _DTYPES[_TAGS[arrays[i]["dtype"]]] for i in range(len(arrays)) if not arrays[i].get("left_out")
+    }
+    order = sorted(dtypes, key=lambda i: -dtypes[i].itemsize)
     header: dict[str, Any] = {}
     pos = 0
     for i in order:
@@ -180,20 +184,20 @@ def write(path: str | os.PathLike, leaves: Sequence[Any], doc: dict) -> None:
         pos += n
 
     def header_bytes(sums: Sequence[int]) -> bytes:
-        for a, c in zip(arrays, sums):
-            a[CHECKSUM] = c
+        for i, c in zip(order, sums):
+            arrays[i][CHECKSUM] = c
         full = {**pack(doc), "checksum": CHECKSUM}
         meta = {"__metadata__": {"format": FORMAT, FORMAT: json.dumps(full, separators=(",", ":"))}}
         return json.dumps({**meta, **header}, separators=(",", ":"), ensure_ascii=False).encode()
 
     # A CRC is at most 10 digits: reserve room for the widest header, pad with spaces so that the
     # data start on a 64-byte boundary (safetensors asks for 8; 64 suits every dtype and SIMD copy).
-    reserved = len(header_bytes([0xFFFFFFFF] * len(arrays)))
+    reserved = len(header_bytes([0xFFFFFFFF] * len(order)))
     reserved += -(8 + reserved) % _ALIGN
 
     def body(f: Any) -> None:
         f.write(b"\0" * (8 + reserved))
-        sums = [0] * len(arrays)
+        sums = []  # in `order`
         for i in order:
             data = _host(leaves[i], arrays[i]["places"][0])
             crc = 0
@@ -201,7 +205,7 @@ def write(path: str | os.PathLike, leaves: Sequence[Any], doc: dict) -> None:
                 chunk = data[start : start + _CHUNK]
                 _write_array(f, chunk)
                 crc = _crc32c(chunk, crc)
-            sums[i] = crc
+            sums.append(crc)
         head = header_bytes(sums)
         head += b" " * (reserved - len(head))
         f.seek(0)
@@ -424,6 +428,8 @@ def _check_doc(doc: dict, tensors: dict[str, Tensor], where: str) -> dict:
         raise bad(f"unknown checksum {algo!r} (tied reads {', '.join(_CHECKSUMS)})")
     named = set()
     for a in doc["arrays"]:
+        if a.get("left_out"):  # described, not stored (`tied.save(only=...)`)
+            continue
         name = a["name"]
         if name not in tensors:
             raise bad(f"an array names tensor {name!r}, which the file does not hold")

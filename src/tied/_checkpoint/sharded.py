@@ -218,6 +218,8 @@ class Source:
             if algo not in safetensors_format._CHECKSUMS:
                 raise corrupt(path, f"unknown checksum {algo!r}")
             for a in doc["arrays"]:
+                if a.get("left_out"):  # described, not stored (`tied.save(only=...)`)
+                    continue
                 if a["name"] not in self.weight_map:
                     raise corrupt(path, f"the manifest names {a['name']!r}, which the weight_map lacks")
                 c = a.get(algo)
@@ -340,6 +342,8 @@ def plan(doc: dict, limit: int) -> list[list[int]]:
     shards: list[list[int]] = [[]]  # a tree without arrays still gets its (empty) shard
     size = 0
     for i, a in enumerate(doc["arrays"]):
+        if a.get("left_out"):  # described, not stored (`tied.save(only=...)`)
+            continue
         n = safetensors_format.nbytes(
             safetensors_format._DTYPES[safetensors_format._TAGS[a["dtype"]]], a["shape"]
         )
@@ -530,6 +534,7 @@ def write_set(folder: str, leaves: Sequence[Any], doc: dict, limit: int) -> None
                 safetensors_format._DTYPES[safetensors_format._TAGS[a["dtype"]]], a["shape"]
             )
             for a in arrays
+            if not a.get("left_out")
         )
         index = {
             "metadata": {"total_size": total, "tied": {**pack(doc), "checksum": safetensors_format.CHECKSUM}},
