@@ -374,8 +374,13 @@ def load(
         names = [e["name"] for e in sub.entries]
         algo = safetensors_format.checksum_of(src.doc)
         arrays = src.read(names, [e[algo] for e in sub.entries], algo)
-        for i, n, x, leaf, ps in zip(read, names, arrays, sub.like, sub.paths):
-            out[i] = _own(conv.apply(path, ps, src.where(n), x, leaf) if conv else x, leaf)
+        if conv:  # every value converted (and checked) before any is placed
+            arrays = [
+                conv.apply(path, ps, src.where(n), x, y)
+                for n, x, y, ps in zip(names, arrays, sub.like, sub.paths)
+            ]
+        for i, x, leaf in zip(read, arrays, sub.like):
+            out[i] = _own(x, leaf)
     return manifest.build(m, out)
 
 
