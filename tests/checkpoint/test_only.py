@@ -261,3 +261,30 @@ def test_random_ties_and_selections_round_trip(tmp_path_factory, pattern, chosen
             assert back[f"p{i}"] is like_pool[j]
         for i2, j2 in enumerate(pattern):
             assert (back[f"p{i}"] is back[f"p{i2}"]) == (j == j2)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda doc: doc.update(version=4), r"left_out mark that is not true in a version 5 manifest"),
+        (lambda doc: doc["arrays"][0].update(left_out="yes"), r"left_out mark that is not true"),
+        (
+            lambda doc: doc.update(version=6),
+            r"tied checkpoint version 6; this tied reads versions 1, 2, 3, 4, 5",
+        ),
+    ],
+    ids=["mark-in-version-4", "mark-not-true", "newer-version"],
+)
+def test_a_hostile_fingerprint_is_refused(tmp_path, edit, message):
+    tied.save(tmp_path, adapted(base()), only=is_lora, max_shard_size=100)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    doc = index["metadata"]["tied"]
+    assert doc["version"] == 5 and [a.get("left_out") for a in doc["arrays"]].count(True) == 3
+    left = next(a for a in doc["arrays"] if a.get("left_out"))
+    doc["arrays"].remove(left)
+    doc["arrays"].insert(0, left)
+    edit(doc)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(tied.CheckpointError, match=message):
+        tied.load(tmp_path, adapted(base()))
