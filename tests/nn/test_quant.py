@@ -218,3 +218,18 @@ def test_bad_input_names_the_place_and_leaves_the_model_alone():
         tied.nn.quantize(m, ".nope")
     after = tied.flatten(m)[0]
     assert len(after) == len(before) and all(a is b for a, b in zip(before, after))
+
+
+def test_a_large_table_is_multiplied_a_block_of_rows_at_a_time(monkeypatch):
+    monkeypatch.setattr(tied.nn._quant.Dequantize, "ROWS", 4)  # 11 rows: 2 blocks of 4 and 3 rows
+    w = jax.random.normal(jax.random.key(5), (11, 6))
+    q = tied.nn.quantize({"d": Dense(w)}, "['d']")
+    table, scale = q["d"].weight.source
+    h = jax.random.normal(jax.random.key(6), (2, 3, 6))
+    dense = np.asarray(table, np.float32) * np.asarray(scale)[:, None]  # by hand
+    np.testing.assert_allclose(q["d"](h), np.asarray(h) @ dense.T, rtol=1e-5, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda t, s: q["d"].weight.fn.matmul_t(h, t, s))(table, scale)
+    floats = [v.aval.shape for e in jaxpr.jaxpr.eqns for v in e.outvars if v.aval.dtype == jnp.float32]
+    assert (11, 6) not in floats and (12, 6) not in floats
+    g = jax.grad(lambda h: (q["d"](h) ** 2).sum())(h)
+    np.testing.assert_allclose(g, 2 * (np.asarray(h) @ dense.T) @ dense, rtol=1e-4, atol=1e-4)

@@ -63,6 +63,7 @@ class Dequantize:
     table) it reads rows (`take`) and computes ``h @ table.T`` (`matmul_t`) from the integers.
     """
 
+    ROWS = 4096  # rows multiplied at a time by a large table's matmul_t (see there)
     keeps_view = True  # tied.grad hands the loss the view, so lookups stay row reads
     frozen_sources = (1,)  # the scales: constants unless trainable= selects them
 
@@ -100,11 +101,27 @@ class Dequantize:
         return rows.astype(scale.dtype) * jnp.take(scale, ids, axis=0)[..., None]
 
     def matmul_t(self, h: Any, q: Any, scale: Any) -> Any:
-        """``h @ table.T`` as ``(h @ q.T) * scale``: the integers are the matmul's operand."""
+        """``h @ table.T`` as ``(h @ q.T) * scale``: the integers are the matmul's operand.
+
+        A backend without a mixed int8/float matmul (XLA on CPU) converts its integer operand
+        to float first, so a table of more than ``2 * ROWS`` rows is multiplied ``ROWS`` rows
+        at a time (`jax.lax.map`): at most that many rows are ever float at once.
+        """
         dtype = jnp.result_type(h, scale)
         dims = (((h.ndim - 1,), (1,)), ((), ()))
-        out = jax.lax.dot_general(h, self.integers(q), dims, preferred_element_type=dtype)
-        return out * scale
+
+        def times(block: Any) -> Any:
+            return jax.lax.dot_general(h, self.integers(block), dims, preferred_element_type=dtype)
+
+        rows, n = q.shape[0], self.ROWS
+        if rows <= 2 * n:
+            return times(q) * scale
+        full = rows // n
+        out = jnp.moveaxis(jax.lax.map(times, q[: full * n].reshape(full, n, q.shape[1])), 0, -2)
+        parts = [out.reshape(*out.shape[:-2], full * n)]
+        if rows > full * n:
+            parts.append(times(q[full * n :]))
+        return jnp.concatenate(parts, axis=-1) * scale
 
 
 def _quantized(w: Any, bits: int) -> tuple[Any, Any]:
