@@ -200,6 +200,7 @@ def test_bad_input_names_the_place_and_leaves_the_model_alone():
         "embed": Embedding(jnp.arange(12).reshape(4, 3)),
         "ln": LayerNorm(3),
         "head": Dense(3, 4, key=jax.random.key(0)),
+        "cell": tied.State(jnp.ones((2, 2))),
     }
     before = tied.flatten(m)[0]
     with pytest.raises(ValueError, match=r"bits=3; use bits=8"):
@@ -210,6 +211,8 @@ def test_bad_input_names_the_place_and_leaves_the_model_alone():
         tied.nn.quantize(m, ["['head']", "['head'].bias"])
     with pytest.raises(ValueError, match=r"\['ln'\] is a LayerNorm; only the weight of a Dense"):
         tied.nn.quantize(m, "['ln']")
+    with pytest.raises(ValueError, match=r"\['cell'\]\.value is state .*not a weight"):
+        tied.nn.quantize(m, "['cell'].value")
     with pytest.raises(ValueError, match=r"selects no place.*\['head'\]"):
         tied.nn.quantize(m, lambda path, layer: False)
     with pytest.raises(ValueError, match=r"selects no place"):

@@ -184,6 +184,11 @@ def _check_weight(places: Places, model: Any, path: str) -> str:
         )
     if kind != "array":
         raise ValueError(f"tied.nn.quantize: {_at(path)} holds no array ({kind}); nothing to quantize there.")
+    if places.gdef.state_leaves()[places.leaf_of[path]]:
+        raise ValueError(
+            f"tied.nn.quantize: {_at(path)} is state (below a tied.State or another state cell), not a "
+            "weight; only parameters are quantized. Leave it out of where=."
+        )
     w = get(model, places.steps[path], places)
     if not is_param(w) or not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(
