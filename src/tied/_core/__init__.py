@@ -14,7 +14,7 @@ from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_pref
 from .read import read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
-from .view import View, fn_name, materialize, transpose, view
+from .view import View, fn_name, materialize, matmul_t, take, transpose, view
 from .writeback import (
     copy_scope,
     escaping_tracer,
@@ -65,6 +65,8 @@ __all__ = [
     "is_state",
     "live_lock",
     "materialize",
+    "matmul_t",
+    "take",
     "note_carried",
     "note_copy",
     "own_copy",

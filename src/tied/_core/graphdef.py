@@ -648,9 +648,13 @@ def post_order(gdef: GraphDef) -> tuple:
 
 def _view_error(fn, source, e) -> GraphError:
     name = getattr(fn, "__name__", repr(fn))
-    shape = getattr(source, "shape", None)
+    if type(source) is tuple:  # a view of several sources
+        shape = tuple(getattr(s, "shape", None) for s in source)
+        what = "sources of shapes"
+    else:
+        shape, what = getattr(source, "shape", None), "source of shape"
     return GraphError(
-        f"the view function {name} failed on its source of shape {shape}: "
+        f"the view function {name} failed on its {what} {shape}: "
         f"{type(e).__name__}: {e}. Give tied.view a function that accepts the source array."
     )
 

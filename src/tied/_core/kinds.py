@@ -28,6 +28,7 @@ from .errors import Located
 from .state import is_nnx_variable, is_state_type
 from .strict import _strict
 from .view import View
+from .view import call as call_view
 
 _registry = jax.tree_util.default_registry
 _GetAttrKey = jax.tree_util.GetAttrKey
@@ -510,7 +511,11 @@ class _View(Kind):
         return meta
 
     def materialize(self, meta, children):
-        return meta(children[0])
+        # Several sources are one tuple child (`fn(*sources)`). A function that reads its
+        # array piece by piece (`fn.keeps_view`: an integer table's rows) stays a view.
+        if getattr(meta, "keeps_view", False):
+            return View(children[0], meta)
+        return call_view(meta, children[0])
 
     def make(self, meta, children):
         return View(children[0], meta)

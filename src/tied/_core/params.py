@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .graphdef import GraphDef
+from .kinds import TUPLE, VIEW
+from .refs import LEAF, NODE, split_ref
 
 __all__ = ["Trainable", "is_param", "trainable_mask"]
 
@@ -40,7 +42,9 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
 
     A parameter (an array of inexact dtype) is trainable when ``trainable`` is
     None or ``trainable(path, array)`` holds at *any* of its places (keystr
-    paths; ``""`` for the root). The one rule shared by `tied.grad`,
+    paths; ``""`` for the root). With ``trainable`` None, the sources a view's
+    function names in ``fn.frozen_sources`` (a quantized table's scales) are not trained
+    either: they are constants unless ``trainable`` selects them. The one rule shared by `tied.grad`,
     `tied.value_and_grad`, `tied.params`, `tied.param_count` and
     `tied.optim.setup`.
 
@@ -51,7 +55,8 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
     """
     state = gdef.state_leaves()  # state is never a parameter (and trainable= never sees it)
     if trainable is None:
-        return [is_param(x) and not s for x, s in zip(leaves, state)]
+        frozen = _frozen_sources(gdef)
+        return [is_param(x) and not s and q not in frozen for q, (x, s) in enumerate(zip(leaves, state))]
     if not callable(trainable):
         raise TypeError(
             f"trainable= takes a function (path, array) -> bool, got {type(trainable).__name__}. "
@@ -76,4 +81,22 @@ def trainable_mask(gdef: GraphDef, leaves: list, trainable: Trainable | None) ->
                     keep = True
                     break
         out.append(keep)
+    return out
+
+
+def _frozen_sources(gdef: GraphDef) -> set[int]:
+    """The arrays that a view of several sources names as constants (``fn.frozen_sources``: positions)."""
+    out: set[int] = set()
+    records = gdef.records
+    for kind, meta, refs in records:
+        frozen = getattr(meta, "frozen_sources", ()) if kind == VIEW else ()
+        if not frozen:
+            continue
+        tag, q = split_ref(refs[0])
+        if tag != NODE or records[q][0] != TUPLE:
+            continue
+        for i in frozen:
+            tag, leaf = split_ref(records[q][2][i])
+            if tag == LEAF:
+                out.add(leaf)
     return out

@@ -44,6 +44,11 @@ class View:
     (``tied.transpose(enc.bias)`` of a layer without bias), a number or a whole
     layer object is an error that names the view's path when it is materialised.
 
+    Several sources (``tied.view((q, s), fn)``): ``source`` is the tuple, each array
+    a place of its own below it (``.source[0]``, ``.source[1]``), and the view stands
+    for ``fn(q, s)``; its gradient is a `View` of the tuple of the sources' totals
+    (None for an integer source).
+
     Examples:
         >>> import jax, jax.numpy as jnp, tied
         >>> enc = tied.nn.Dense(2, 3, key=jax.random.key(0))   # weight (3, 2)
@@ -78,10 +83,14 @@ class View:
         return out if dtype is None else out.astype(dtype)
 
     def _abstract(self) -> Any:
-        source = self.source._abstract() if type(self.source) is View else self.source
+        source = self.source
+        if type(source) is tuple:
+            source = tuple(s._abstract() if type(s) is View else s for s in source)
+        elif type(source) is View:
+            source = source._abstract()
         fn = self.fn
-        try:  # trace fn on the source's shape and dtype, without computing it
-            return jax.eval_shape(lambda s: fn(s), source)
+        try:  # trace fn on the sources' shapes and dtypes, without computing it
+            return jax.eval_shape(lambda s: call(fn, s), source)
         except Exception:  # not traceable (numpy code), or failing: compute it, or fail as it does
             return materialize(self)
 
@@ -161,6 +170,9 @@ class View:
         )
 
     def __repr__(self) -> str:
+        if type(self.source) is tuple:
+            shapes = tuple(getattr(s, "shape", None) for s in self.source)
+            return f"View({_name(self.fn)}, source shapes={shapes})"
         shape = getattr(self.source, "shape", None)
         return f"View({_name(self.fn)}, source shape={shape})"
 
@@ -231,15 +243,30 @@ def _register_refusal() -> None:
 _register_refusal()
 
 
-def view(source: Any, fn: Callable[[Any], Any]) -> View:
+def view(source: Any, fn: Callable[..., Any]) -> View:
     """A derived tie: a place holding ``fn(source)``, where only ``source`` is a parameter.
 
+    Several sources, ``tied.view((a, b, ...), fn)``, make a place holding ``fn(a, b, ...)``
+    (an integer table and its float scales, say): each source is its own array of the
+    graph (path: the view's place plus ``.source[i]``), saved once however many views
+    read it; the float ones get gradients, an integer one none.
+
     Args:
-        source: the parameter array (the same object that stands elsewhere in the model).
-        fn: a JAX-traceable function of the source, e.g. ``jnp.transpose``.
+        source: the parameter array (the same object that stands elsewhere in the model),
+            or a tuple of them (arrays or views, all on the same devices).
+        fn: a JAX-traceable function of the source (of each source, in order), e.g.
+            ``jnp.transpose``. It may also say how to read the array without making all of
+            it (see `take` and `matmul_t`) and which sources are constants unless
+            ``trainable=`` selects them (``fn.frozen_sources``, positions); such a function sets
+            ``fn.keeps_view = True`` so that `tied.grad` hands the loss the view (and its
+            cheap reads), not the materialised array.
 
     Returns:
         A `View`. Put it anywhere a layer expects an array.
+
+    Raises:
+        TypeError: a source that is not an array or a view, or an empty tuple.
+        ValueError: sources on different devices (a view computes on one).
 
     Examples:
         >>> import jax, jax.numpy as jnp, tied
@@ -257,7 +284,19 @@ def view(source: Any, fn: Callable[[Any], Any]) -> View:
         >>> scale = tied.view(jnp.zeros(3), jax.nn.softplus)   # always positive
         >>> bool((tied.materialize(scale) > 0).all())
         True
+
+        Several sources: a view standing at two places, read from both arrays.
+
+        >>> a, b = jnp.ones((2, 3)), jnp.full(3, 2.0)
+        >>> w = tied.view((a, b), lambda a, b: a * b)
+        >>> m = {"x": w, "y": w}
+        >>> tied.ties(m)
+        [("['x']", "['y']")]
+        >>> tied.materialize(m["y"])[0].tolist()
+        [2.0, 2.0, 2.0]
     """
+    if type(source) is tuple:
+        return View(_check_sources(source), fn)
     return View(_check_source(source, "tied.view"), fn)
 
 
@@ -269,6 +308,67 @@ def _check_source(source: Any, where: str) -> Any:
         f"another view, got {type(source).__name__}. To tie to a whole layer, put the layer "
         "itself at both places; to view a layer's weight, pass that array (layer.weight)."
     )
+
+
+def _check_sources(sources: tuple) -> tuple:
+    if not sources:
+        raise TypeError("tied.view((), fn): give at least one source array, tied.view((a, b), fn).")
+    for i, s in enumerate(sources):
+        _check_source(s, f"tied.view(sources, fn): sources[{i}]")
+    devices = [(i, _devices(s)) for i, s in enumerate(sources)]
+    devices = [(i, d) for i, d in devices if d is not None]
+    for i, d in devices[1:]:
+        if d != devices[0][1]:
+            j, first = devices[0]
+            raise ValueError(
+                f"tied.view(sources, fn): sources[{i}] is on {sorted(map(str, d))} but sources[{j}] "
+                f"on {sorted(map(str, first))}; a view computes fn on one set of devices. Put them "
+                f"together first, e.g. jax.device_put(sources[{i}], sources[{j}].sharding)."
+            )
+    return sources
+
+
+def _devices(x: Any) -> frozenset | None:
+    """The devices of a concrete jax.Array (None for numpy, a tracer or a view)."""
+    if type(x) is View or not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return frozenset(x.devices())
+    except Exception:  # a deleted or abstract array: nothing to compare
+        return None
+
+
+def call(fn: Callable[..., Any], source: Any) -> Any:
+    """``fn(*source)`` for a view of several sources (a tuple), ``fn(source)`` otherwise."""
+    return fn(*source) if type(source) is tuple else fn(source)
+
+
+def _sources(v: View) -> tuple:
+    src = v.source
+    return tuple(map(materialize, src)) if type(src) is tuple else (materialize(src),)
+
+
+def take(x: Any, ids: Any) -> Any:
+    """Rows ``ids`` of the array ``x`` stands for: ``jnp.take(materialize(x), ids, axis=0)``.
+
+    A view whose function has ``take(ids, *sources)`` reads only those rows (an integer
+    table's rows and their scales), never the whole array. Layers read a lookup table so.
+    """
+    if type(x) is View:
+        rows = getattr(x.fn, "take", None)
+        if rows is not None:
+            return rows(ids, *_sources(x))
+    return jnp.take(materialize(x), ids, axis=0)
+
+
+def matmul_t(h: Any, x: Any) -> Any:
+    """``h @ materialize(x).T``; a view whose function has ``matmul_t(h, *sources)`` computes it
+    from its sources (``(h @ q.T) * s`` for an integer table ``q``), never making the array."""
+    if type(x) is View:
+        mm = getattr(x.fn, "matmul_t", None)
+        if mm is not None:
+            return mm(h, *_sources(x))
+    return h @ materialize(x).T
 
 
 def _transpose(x):
@@ -315,7 +415,10 @@ def materialize(x: Any) -> Any:
         True
     """
     if type(x) is View:
-        return x.fn(materialize(x.source))
+        src = x.source
+        if type(src) is tuple:
+            return x.fn(*map(materialize, src))
+        return x.fn(materialize(src))
     return x
 
 

@@ -34,6 +34,7 @@ from ._conv import Conv2d
 from ._dense import Chain, Dense, Embedding
 from ._dropout import Dropout, mode
 from ._norm import BatchNorm, LayerNorm, RMSNorm
+from ._quant import quantize
 
 __all__ = [
     "Dense",
@@ -49,6 +50,7 @@ __all__ = [
     "RMSNorm",
     "KVCache",
     "mode",
+    "quantize",
 ]
 
 

@@ -7,9 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from .._core import materialize
+from .._core import materialize, matmul_t, take
 from .._tree import register
 from ._checks import _is_arraylike, _is_size, _shape
 
@@ -126,7 +125,7 @@ class Dense:
         return _shape(self.weight)[0]
 
     def __call__(self, x: Any) -> Any:
-        y = x @ materialize(self.weight).T
+        y = matmul_t(x, self.weight)  # a quantized weight computes it from its integers
         if self.bias is not None:
             y = y + materialize(self.bias)
         if self.activation is not None:
@@ -244,8 +243,8 @@ class Embedding:
             )
 
     def __call__(self, ids: Any) -> Any:
-        return jnp.take(materialize(self.weight), ids, axis=0)
+        return take(self.weight, ids)  # a quantized table gathers only these rows
 
     def attend(self, h: Any) -> Any:
         """Scores of ``h`` against every row: ``h @ weight.T`` (a tied output head)."""
-        return h @ materialize(self.weight).T
+        return matmul_t(h, self.weight)
