@@ -117,7 +117,7 @@ def test_rules_for_the_layer_gain_the_stack_axis_and_the_tie_takes_the_match():
     specs = tied.sharding_tree(model, LAYER_RULES, mesh=MESH, stack_axis="data")
     assert specs.blocks.member.qkv.weight == NamedSharding(MESH, P("data", "model", None))
     assert specs.blocks.member.up.weight == NamedSharding(MESH, P("data", None, "model"))
-    assert specs.blocks.member.qkv.bias == NamedSharding(MESH, P())  # no rule: replicated
+    assert specs.blocks.member.qkv.bias == NamedSharding(MESH, P("data"))  # no rule: only the layer axis
     assert specs.head.weight == specs.embed.weight == NamedSharding(MESH, P("model", None))
     placed = tied.device_put(model, specs)
     assert_ties(placed)
@@ -166,7 +166,7 @@ def test_optimiser_state_follows_its_parameter_by_path_and_trains_like_one_devic
         (".blocks.member.qkv.weight", P("data", "model", None)),
         (".blocks.member.up.weight", P("data", None, "model")),  # same shape, its own sharding
         (".embed.weight", P("model", None)),
-        (".blocks.member.qkv.bias", P()),
+        (".blocks.member.qkv.bias", P("data")),  # unmatched: replicated but for the layer axis,
     ]:
         assert adam.mu[path] == adam.nu[path] == NamedSharding(MESH, spec), path
     assert adam.count == NamedSharding(MESH, P())

@@ -135,3 +135,12 @@ def test_fsdp_rules_on_one_device():
     assert specs["ln"].weight == named()  # 4 elements
     with pytest.raises(ValueError, match=r"tied.fsdp: axis is a mesh axis name"):
         tied.fsdp(("data", "model"))
+
+
+def test_the_moments_of_an_unmatched_stacked_parameter_keep_its_layer_axis():
+    m = lm()
+    state = tied.optim.setup(optax.adam(1e-3), m)
+    _, ss = tied.sharding_tree((m, state), [("embed", P("model"))], mesh=MESH, stack_axis="data")
+    adam = ss.inner_state[0]
+    assert adam.mu["['blocks'].member['attn']['qkv'].bias"] == named("data")  # as the parameter
+    assert adam.nu["['embed'].weight"] == named("model") and adam.count == named()

@@ -7,6 +7,7 @@ from .grad import Convention, accumulate, check_convention, grad, is_param, tota
 from .implicit import Grads, Params, gradient, params
 from .jit import Graph, block_until_ready, jit
 from .lifted import remat, scan, vmap
+from .pipeline import pipeline
 from .sharding import DataParallel, data_parallel, device_put, fsdp, sharding_tree
 from .stack import Stack, stack, unstack
 
@@ -29,6 +30,7 @@ __all__ = [
     "is_param",
     "jit",
     "params",
+    "pipeline",
     "remat",
     "scan",
     "sharding_tree",

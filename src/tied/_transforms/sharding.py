@@ -231,7 +231,9 @@ def sharding_tree(
       `tied.optim.setup` result beside its model), every state array shaped like its
       parameter (Adam's ``mu`` and ``nu``) takes the parameter's sharding, found by the
       parameter path the state is keyed by, and every other state array goes by the
-      rules (a scalar such as ``count`` is replicated).
+      rules (a scalar such as ``count`` is replicated). An array no pair matches is
+      replicated over its own dimensions; a stacked one still has its layer axis split
+      over ``stack_axis``.
 
     Args:
         tree: the model (any object graph `tied.flatten` accepts), or ``(model, opt_state)``.
@@ -536,16 +538,17 @@ def _by_rules(
                 f"{b}. A shared array is stored once, so it has one sharding: make the rules give "
                 "both places the same spec, or match only one of them."
             )
-    for s, q in _followed(tree, gdef, places, opt, leaves).items():
-        chosen[s] = chosen[q]
-    for q, c in enumerate(chosen):
-        if c is None:
+    for place in places:  # no rule at any place: replicated (a Stack's layer axis over stack_axis)
+        q = place.leaf
+        if chosen[q] is None:
             if mesh is None:
                 raise ValueError(
-                    f"{_WHO}: no rule matches {gdef.leaf_paths()[q][0] or '<root>'}, so it is replicated, "
-                    "which needs a mesh: pass mesh=."
+                    f"{_WHO}: no rule matches {place.path or '<root>'}, so it is replicated, which needs "
+                    "a mesh: pass mesh=."
                 )
-            chosen[q] = NamedSharding(mesh, PartitionSpec())
+            chosen[q] = _resolve(PartitionSpec(), place, tuple(np.shape(leaves[q])), mesh, stack_axis)
+    for s, q in _followed(tree, gdef, places, opt, leaves).items():  # last: the parameters' own
+        chosen[s] = chosen[q]
     return chosen
 
 
