@@ -28,7 +28,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, deep, host, manager, sharded, state
+from . import checkpoint, deep, host, manager, pipeline, sharded, state
 from . import workloads as W
 from .timing import arguments, rotated
 
@@ -357,6 +357,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += state.report(results["state"])
     if "deep" in results:
         lines += deep.report(results["deep"])
+    if "pipeline" in results:
+        lines += pipeline.report(results["pipeline"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -416,6 +418,11 @@ def main(argv=None) -> dict:
     print("[deep] 24-block LM: tied.scan, hand-written jax.lax.scan, unrolled tied, nnx.scan", flush=True)
     deep_args = ["--layers", "4", "--rounds", "1", "--step-rounds", "3"] if args.quick else ["--rounds", "3"]
     results["deep"] = deep.main(deep_args)
+    print(
+        "[pipeline] tied.pipeline against the sequential tied.scan, 8 CPU devices (not a speed claim)",
+        flush=True,
+    )
+    results["pipeline"] = pipeline.main(["--rounds", "3" if args.quick else "7"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

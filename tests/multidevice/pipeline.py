@@ -128,3 +128,22 @@ def test_compiled_hlo_sends_between_neighbours_and_never_all_reduces_the_table_g
     assert not [ln for ln in reduces if table.search(ln.split("all-reduce")[0])], reduces
     for ln in reduces:  # the only all-reduces run over the stage axis (the norm's gradient, outputs)
         assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in ln, ln
+
+
+def test_example_pipeline_lm_on_eight_devices():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "pipeline_lm.py"
+    spec = importlib.util.spec_from_file_location("example_pipeline_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    r = example.main(steps=12, verbose=False)
+    assert r["devices"] == 8 and r["traces"] == 1
+    assert (
+        r["one_table"] and r["one_norm"] and r["adam_entries"] == 5
+    )  # table, norm (2), block weight and bias
+    assert r["max_diff_vs_sequential"] < 1e-4
+    assert r["stage_shard_shape"] == (1, 2, 32, 32)
+    assert r["loss"] < r["first_loss"] - 1.0
+    assert r["bubble"] == 3 / 7
