@@ -229,6 +229,13 @@ def test_data_times_fsdp_trains_like_one_device_with_a_quarter_of_the_bytes():
     batch = NamedSharding(FSDP_MESH, P(("data", "fsdp")))  # the batch over both axes
     rep = NamedSharding(FSDP_MESH, P())
     step = tied.jit(make_step(tx), in_shardings=(ms, ss, batch), out_shardings=(ms, ss, rep))
+    # Per device, the program's arguments are the shards the shardings say (JAX's shard_shape).
+    args = tied.flatten((model, state))[0]
+    want = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in args)
+    want += B // 8 * T * 4  # the int32 batch, split over all 8 devices
+    placed_ids = tied.device_put(IDS[0], batch)
+    assert step.lower(model, state, placed_ids).compile().memory_analysis().argument_size_in_bytes == want
+    assert want < sum(x.nbytes for x in args)  # less than one copy of everything
     for (ref_m, ref_s, ref_loss), ids in zip(one_device(tx), IDS):
         model, state, loss = step(model, state, tied.device_put(ids, batch))
         assert_ties(model)
