@@ -28,7 +28,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, deep, host, manager, quant, sharded, state
+from . import checkpoint, deep, host, manager, pipeline, quant, sharded, state
 from . import workloads as W
 from .timing import arguments, rotated
 
@@ -359,6 +359,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += deep.report(results["deep"])
     if "quant" in results:
         lines += quant.report(results["quant"])
+    if "pipeline" in results:
+        lines += pipeline.report(results["pipeline"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -420,6 +422,11 @@ def main(argv=None) -> dict:
     results["deep"] = deep.main(deep_args)
     print("[quant] int8 tied GPT-2: parameter bytes against float and untie-then-quantize", flush=True)
     results["quant"] = quant.main([])
+    print(
+        "[pipeline] tied.pipeline against the sequential tied.scan, 8 CPU devices (not a speed claim)",
+        flush=True,
+    )
+    results["pipeline"] = pipeline.main(["--rounds", "3" if args.quick else "7"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

@@ -29,6 +29,7 @@ def test_every_example_is_tested():
     tested.add("resumable_training")  # run (and killed, and resumed) by tests/test_manager.py
     tested.add("gpt2_from_transformers")  # run against transformers itself by tests/test_hf.py
     tested.add("scan_lm")
+    tested.add("pipeline_lm")  # run under 8 fake devices by tests/transforms/test_sharding_pipeline.py
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 

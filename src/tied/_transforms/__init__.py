@@ -7,7 +7,8 @@ from .grad import Convention, accumulate, check_convention, grad, is_param, tota
 from .implicit import Grads, Params, gradient, params
 from .jit import Graph, block_until_ready, jit
 from .lifted import remat, scan, vmap
-from .sharding import DataParallel, data_parallel, device_put, sharding_tree
+from .pipeline import pipeline
+from .sharding import DataParallel, data_parallel, device_put, fsdp, sharding_tree
 from .stack import Stack, stack, unstack
 
 __all__ = [
@@ -23,11 +24,13 @@ __all__ = [
     "check_convention",
     "data_parallel",
     "device_put",
+    "fsdp",
     "grad",
     "gradient",
     "is_param",
     "jit",
     "params",
+    "pipeline",
     "remat",
     "scan",
     "sharding_tree",

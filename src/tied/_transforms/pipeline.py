@@ -1,0 +1,183 @@
+"""Pipeline parallelism: `pipeline`, the stages of a `tied.Stack` one per device, a GPipe schedule.
+
+The stages' stacked arrays are split along one mesh axis, one stage per device; the
+batch is cut into microbatches, which flow from each stage to the next through
+``jax.lax.ppermute`` (a collective-permute between neighbours only), inside one
+``jax.shard_map``. An object every stage shares (a LayerNorm, broadcast by the Stack) is
+one replicated input of the ``shard_map``: its gradient is summed over the stages by
+JAX's own transpose of the ``shard_map``, never by an all-reduce written here, and it
+stays one parameter. What the stages share with the model outside (the tied embedding
+and head) is the same object there, so `tied.grad` sums its one total as anywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from .._core import rebuild
+from .stack import Stack, layout
+
+__all__ = ["pipeline"]
+
+
+def _checked(init: Any, stages: Any, mesh: Any, axis: Any, microbatches: Any) -> tuple[list, int]:
+    """The leaves of ``init`` and the batch size, or a ValueError naming the argument at fault."""
+    if not isinstance(stages, Stack):
+        how = (
+            " A list of stages becomes one with tied.stack(stages), which names the first place where "
+            "two stages differ in structure."
+            if isinstance(stages, (list, tuple))
+            else ""
+        )
+        raise ValueError(
+            f"tied.pipeline: stages must be a tied.Stack of the pipeline's stages (one per device along "
+            f"the axis), got {type(stages).__name__}.{how}"
+        )
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"tied.pipeline: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"tied.pipeline: axis {axis!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)}."
+        )
+    if len(stages) != mesh.shape[axis]:
+        raise ValueError(
+            f"tied.pipeline: stages holds {len(stages)} stages but the mesh axis {axis!r} has "
+            f"{mesh.shape[axis]} devices: one stage per device. Stack {mesh.shape[axis]} stages (a stage "
+            "may itself hold a tied.Stack of layers), or build the mesh to match."
+        )
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"tied.pipeline: microbatches must be a positive int, got {microbatches!r}.")
+    xs = jax.tree_util.tree_leaves(init)
+    if not xs or any(jnp.ndim(x) == 0 for x in xs):
+        raise ValueError(
+            "tied.pipeline: init must be a pytree of arrays with a leading batch axis (the microbatches "
+            "are cut from it)."
+        )
+    batch = {jnp.shape(x)[0] for x in xs}
+    if len(batch) != 1:
+        raise ValueError(
+            f"tied.pipeline: init's arrays have leading (batch) axes {sorted(batch)}: one batch."
+        )
+    (b,) = batch
+    if b % microbatches:
+        raise ValueError(
+            f"tied.pipeline: init's batch of {b} does not split into microbatches={microbatches} equal "
+            "parts. Pick a number of microbatches that divides the batch."
+        )
+    return xs, b
+
+
+def pipeline(
+    f: Callable[[Any, Any], Any], init: Any, stages: Stack, *, mesh: Mesh, axis: str, microbatches: int
+) -> Any:
+    """Run ``f(h, stage)`` through the stages of a `tied.Stack`, one stage per device, as a GPipe pipeline.
+
+    Returns what ``tied.scan(lambda h, s, _: (f(h, s), None), init, stages)[0]`` returns, in
+    values and gradients: the batch is cut into ``microbatches`` along its leading axis, and
+    at each of ``microbatches + stages - 1`` ticks every device runs its stage on the
+    microbatch it holds and hands the result to the next device (``jax.lax.ppermute``
+    between neighbours only). The stages' stacked arrays are split along ``axis`` (one
+    stage's arrays per device); an object every stage shares (broadcast by the Stack, such
+    as one LayerNorm) is one parameter on every device, whose gradient JAX sums over the
+    stages. Everything outside the call (a tied embedding and head) is the model's own, as
+    in any `tied.grad`. The bubble (the ticks a device waits) is ``(stages - 1) /
+    (microbatches + stages - 1)`` of the schedule.
+
+    Args:
+        f: ``(h, stage) -> h``: one stage (a member of ``stages``, itself possibly holding a
+            `tied.Stack` of layers run with `tied.scan`); ``h`` keeps its structure and shapes.
+            It may not write state (a BatchNorm's statistics): such stages are refused.
+        init: a pytree of arrays whose leading axis is the batch.
+        stages: a `tied.Stack` of ``mesh.shape[axis]`` stages.
+        mesh: the device mesh.
+        axis: the mesh axis the stages are spread over.
+        microbatches: how many parts the batch is cut into (it must divide the batch).
+
+    Returns:
+        The last stage's output for the whole batch (as ``init``, replicated over ``axis``).
+
+    Raises:
+        ValueError: ``stages`` not a `tied.Stack` (a list of stages of different structure),
+            a stage count other than the axis size, ``axis`` not in ``mesh``, a batch that
+            ``microbatches`` does not divide, ``init`` without a batch axis, stages with state.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np, tied
+        >>> from jax.sharding import Mesh
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("stage",))
+        >>> norm = tied.nn.LayerNorm(4)                        # one norm in every stage
+        >>> stages = tied.stack([{"d": tied.nn.Dense(4, 4, key=jax.random.key(0)), "norm": norm}])
+        >>> f = lambda h, s: s["norm"](jnp.tanh(s["d"](h)))
+        >>> h = jnp.ones((4, 4))
+        >>> out = tied.pipeline(f, h, stages, mesh=mesh, axis="stage", microbatches=2)
+        >>> want = tied.scan(lambda h, s, _: (f(h, s), None), h, stages)[0]
+        >>> bool(jnp.allclose(out, want, atol=1e-6)), stages.member["norm"] is norm
+        (True, True)
+    """
+    xs, b = _checked(init, stages, mesh, axis, microbatches)
+    leaves, gdef, stacked = layout(stages)
+    if any(gdef.state_leaves()):
+        path = next(p for p, s in zip(gdef.leaf_paths(), gdef.state_leaves()) if s)[0]
+        raise ValueError(
+            f"tied.pipeline: stages holds state at stages.member{path} (a running statistic, a random "
+            "stream): a pipeline runs each stage on several microbatches at once and does not carry "
+            "state writes out. Keep state outside the pipelined stages."
+        )
+    n, m = len(stages), microbatches
+    s_idx = [q for q, s in enumerate(stacked) if s]
+    b_idx = [q for q, s in enumerate(stacked) if not s]
+    tree = jax.tree_util.tree_structure(init)
+    cut = [jnp.reshape(x, (m, b // m, *jnp.shape(x)[1:])) for x in xs]
+
+    def local(s_leaves: list, b_leaves: list, mbs: list) -> list:
+        full: list = [None] * gdef.num_leaves
+        for q, x in zip(s_idx, s_leaves):
+            full[q] = x[0]  # this device's stage: its slice of each stacked array
+        for q, x in zip(b_idx, b_leaves):
+            full[q] = x
+        stage = rebuild(gdef, full)
+        me = jax.lax.axis_index(axis)
+        forward = [(i, i + 1) for i in range(n - 1)]
+
+        def tick(c: tuple, t: Any) -> tuple:
+            held, outs = c
+            first = [jax.lax.dynamic_index_in_dim(x, jnp.minimum(t, m - 1), keepdims=False) for x in mbs]
+            h = [jnp.where(me == 0, a, h) for a, h in zip(first, held)]
+            y = jax.tree_util.tree_leaves(f(jax.tree_util.tree_unflatten(tree, h), stage))
+            k = t - (n - 1)  # the microbatch the last stage finishes at this tick
+            done = (me == n - 1) & (k >= 0)
+            outs = [
+                jax.lax.dynamic_update_index_in_dim(
+                    o, jnp.where(done, v, o[jnp.maximum(k, 0)]), jnp.maximum(k, 0), 0
+                )
+                for o, v in zip(outs, y)
+            ]
+            held = [jax.lax.ppermute(v, axis, forward) for v in y]
+            return (held, outs), None
+
+        start = jax.lax.pcast(
+            ([jnp.zeros_like(x[0]) for x in mbs], [jnp.zeros_like(x) for x in mbs]), (axis,), to="varying"
+        )
+        (_, outs), _ = jax.lax.scan(tick, start, jnp.arange(m + n - 1))
+        # The outputs sit on the last stage's device: every other device adds its zeros.
+        return [jax.lax.psum(jnp.where(me == n - 1, o, jnp.zeros_like(o)), axis) for o in outs]
+
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            [PartitionSpec(axis)] * len(s_idx),
+            [PartitionSpec()] * len(b_idx),
+            [PartitionSpec()] * len(cut),
+        ),
+        out_specs=[PartitionSpec()] * len(cut),
+        axis_names=frozenset({axis}),
+    )
+    outs = run([leaves[q] for q in s_idx], [leaves[q] for q in b_idx], cut)
+    return jax.tree_util.tree_unflatten(tree, [jnp.reshape(o, (b, *jnp.shape(o)[2:])) for o in outs])
