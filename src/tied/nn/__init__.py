@@ -33,6 +33,7 @@ from ._attention import MLP, CausalSelfAttention, KVCache, TransformerBlock
 from ._conv import Conv2d
 from ._dense import Chain, Dense, Embedding
 from ._dropout import Dropout, mode
+from ._lora import LoRA, adapters, lora, merge
 from ._norm import BatchNorm, LayerNorm, RMSNorm
 
 __all__ = [
@@ -49,6 +50,10 @@ __all__ = [
     "RMSNorm",
     "KVCache",
     "mode",
+    "LoRA",
+    "lora",
+    "adapters",
+    "merge",
 ]
 
 
