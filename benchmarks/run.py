@@ -28,7 +28,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, deep, host, manager, sharded, state
+from . import checkpoint, deep, host, lora, manager, sharded, state
 from . import workloads as W
 from .timing import arguments, rotated
 
@@ -357,6 +357,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += state.report(results["state"])
     if "deep" in results:
         lines += deep.report(results["deep"])
+    if "lora" in results:
+        lines += lora.report(results["lora"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -416,6 +418,8 @@ def main(argv=None) -> dict:
     print("[deep] 24-block LM: tied.scan, hand-written jax.lax.scan, unrolled tied, nnx.scan", flush=True)
     deep_args = ["--layers", "4", "--rounds", "1", "--step-rounds", "3"] if args.quick else ["--rounds", "3"]
     results["deep"] = deep.main(deep_args)
+    print("[lora] a LoRA step on a tied GPT-2-like model: bytes kept, step time vs by hand", flush=True)
+    results["lora"] = lora.main(["--rounds", "3" if args.quick else "7"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")
