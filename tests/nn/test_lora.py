@@ -273,3 +273,22 @@ def test_a_layer_in_a_container_broadcast_across_a_stack_is_refused_and_nothing_
     after = tied.flatten(model)
     assert after[1] == before[1] and all(a is b for a, b in zip(after[0], before[0]))
     assert type(model["blocks"].member["attn"]["qkv"]) is Dense
+
+
+def test_a_base_read_through_a_view_of_an_integer_table_is_called_as_it_is_and_never_trained():
+    # A stand-in for a quantized base (tied.nn.quantize): an int8 table read through a view.
+    q = jnp.asarray(np.arange(-6, 6, dtype=np.int8).reshape(3, 4))
+    base = Dense(tied.view(q, lambda t: t.astype(jnp.float32) * 0.1))
+    model = {"a": tied.nn.lora({"d": base}, "['d']", 2, key=jax.random.key(0))["d"]}
+    assert model["a"].lora_A.dtype == jnp.float32
+    x = jnp.ones((2, 4))
+    tx = optax.adam(1e-1)
+    state = tied.optim.setup(tx, model, trainable=tied.nn.adapters)
+    for _ in range(3):
+        g = tied.grad(lambda m: (m["a"](x) ** 2).sum(), trainable=tied.nn.adapters)(model)
+        model, state = tied.optim.update(state, model, g)
+    assert model["a"].base.weight.source is q  # the integer table, untouched
+    assert np.abs(np.asarray(model["a"].lora_B)).max() > 0
+    want = x @ (np.asarray(q, np.float32) * 0.1).T
+    a, b = np.asarray(model["a"].lora_A), np.asarray(model["a"].lora_B)
+    np.testing.assert_allclose(np.asarray(model["a"](x)), want + (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
