@@ -292,3 +292,18 @@ def test_a_base_read_through_a_view_of_an_integer_table_is_called_as_it_is_and_n
     want = x @ (np.asarray(q, np.float32) * 0.1).T
     a, b = np.asarray(model["a"].lora_A), np.asarray(model["a"].lora_B)
     np.testing.assert_allclose(np.asarray(model["a"](x)), want + (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_base_broadcast_across_a_stack_and_held_outside_gets_one_adapter_per_member():
+    d = Dense(4, 4, key=jax.random.key(0))
+    model = {"s": tied.stack([{"lin": d, "w": jnp.full(4, float(i))} for i in range(3)]), "out": d}
+    adapted = tied.nn.lora(model, "['s'].member['lin']", 2, key=jax.random.key(1))
+    assert adapted["s"].member["lin"].base is adapted["out"]  # broadcast, and the outside place's own
+    bs = jax.random.normal(jax.random.key(2), (3, 4, 2))
+    adapted = tied.replace(adapted, "['s'].member['lin'].lora_B", bs)
+    merged = tied.nn.merge(adapted)
+    assert merged["out"].weight is d.weight  # the place without adapter, bit for bit
+    assert tied.ties(merged) == [("['out'].bias", "['s'].member['lin'].bias")]
+    a = np.asarray(adapted["s"].member["lin"].lora_A)
+    want = np.asarray(d.weight) + np.einsum("nor,nri->noi", np.asarray(bs), a)
+    np.testing.assert_allclose(np.asarray(merged["s"].member["lin"].weight), want, rtol=1e-5, atol=1e-6)
