@@ -307,3 +307,11 @@ def test_a_base_broadcast_across_a_stack_and_held_outside_gets_one_adapter_per_m
     a = np.asarray(adapted["s"].member["lin"].lora_A)
     want = np.asarray(d.weight) + np.einsum("nor,nri->noi", np.asarray(bs), a)
     np.testing.assert_allclose(np.asarray(merged["s"].member["lin"].weight), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_too_large_for_a_stacked_layer_names_its_place_in_the_model():
+    model = _blocks_model(n=2)
+    with pytest.raises(
+        ValueError, match=r"min\(in, out\) = 8 for the Dense at \['blocks'\]\.member\.attn\.qkv"
+    ):
+        tied.nn.lora(model, "['blocks'].member.attn.qkv", 9, key=jax.random.key(1))

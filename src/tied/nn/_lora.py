@@ -49,10 +49,13 @@ def _sizes(base: Any) -> tuple[int, int]:
     return int(in_size), int(out_size)
 
 
-def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any) -> None:
+def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any, stacked: bool = False) -> None:
+    """Refuse a base LoRA cannot adapt or a rank out of range (``stacked``: a layer below a Stack's
+    member, whose weight may carry the leading axis)."""
     if not isinstance(base, _ADAPTABLE):
         raise _refusal(who, place, base)
-    if len(tuple(base.weight.shape)) != 2:
+    ndim = len(tuple(base.weight.shape))
+    if not (ndim == 2 or (stacked and ndim == 3)):  # a stacked layer's weight, or a broadcast one's
         raise ValueError(
             f"{who}: {where(place) if place is not None else 'the base'} has a weight of shape "
             f"{tuple(base.weight.shape)}; a LoRA adapts a (out, in) weight. A layer of a tied.Stack "
@@ -323,6 +326,10 @@ def lora(model: Any, where: Where, rank: int, *, alpha: float | None = None, key
             "Give places as tied.ties and tied.summary print them (for a layer of a tied.Stack, "
             "below its member: \"['blocks'].member.attn.qkv\")."
         )
+    node_at = _index(places, walk)
+    for path in selected:  # every refusal before any work, naming the place in the model
+        stacked = _stack_of(path, places, node_at) is not None
+        _check(who, path, get(model, places.steps[path], places), rank, alpha, stacked)
     targets = [(path, jax.random.fold_in(key, k)) for k, path in enumerate(selected)]
     return _adapt(unflatten(gdef, leaves), places, _index(places, walk), targets, rank, alpha, who)
 
