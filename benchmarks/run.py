@@ -28,7 +28,7 @@ import optax
 import tied
 from tied import optim
 
-from . import checkpoint, deep, host, manager, pipeline, quant, sharded, state
+from . import checkpoint, deep, host, lora, manager, pipeline, quant, sharded, state
 from . import workloads as W
 from .timing import arguments, rotated
 
@@ -361,6 +361,8 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += quant.report(results["quant"])
     if "pipeline" in results:
         lines += pipeline.report(results["pipeline"])
+    if "lora" in results:
+        lines += lora.report(results["lora"])
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -427,6 +429,8 @@ def main(argv=None) -> dict:
         flush=True,
     )
     results["pipeline"] = pipeline.main(["--rounds", "3" if args.quick else "7"])
+    print("[lora] a LoRA step on a tied GPT-2-like model: bytes kept, step time vs by hand", flush=True)
+    results["lora"] = lora.main(["--rounds", "3" if args.quick else "7"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     write_markdown(results, args.out / "results.md")

@@ -113,7 +113,12 @@ def load_gpt2(directory: str, *, dtype: str | None = None) -> GPT2:
 
 
 def save_gpt2(model: GPT2, directory: str, *, max_shard_size: int | str = "5GB") -> None:
-    """Write ``model`` as a directory that ``GPT2LMHeadModel.from_pretrained`` reads (sharded set)."""
+    """Write ``model`` as a directory that ``GPT2LMHeadModel.from_pretrained`` reads (sharded set).
+
+    A head tied to the embedding is stored once (``transformer.wte.weight``); a head with its own
+    array (a merged LoRA, `tied.nn.merge`) is written as ``lm_head.weight`` with
+    ``tie_word_embeddings: false``.
+    """
     c = model.config
     os.makedirs(directory, exist_ok=True)
     config = {
@@ -122,7 +127,8 @@ def save_gpt2(model: GPT2, directory: str, *, max_shard_size: int | str = "5GB")
         **c,
         "n_ctx": c["n_positions"],
         "activation_function": "gelu_new",
-        "tie_word_embeddings": True,
+        # a head merged from an adapter has its own array: written as lm_head.weight, untied
+        "tie_word_embeddings": model.head.weight is model.wte.weight,
     }
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)

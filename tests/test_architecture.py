@@ -72,7 +72,10 @@ def _targets(name: str, node: ast.ImportFrom, modules: dict) -> list[str]:
     else:
         return []
     subs = [f"{where}.{a.name}" if where else a.name for a in node.names]
-    out = [s for s in subs if s in modules]  # `from . import graph` imports the submodule
+    # `from . import graph` imports the submodule, unless the package binds that name itself
+    # (`_transforms` exports the function `stack`, which shadows its module `_transforms.stack`)
+    bound = _all_of(modules[where]) if modules.get(where) is not None else set()
+    out = [s for s, a in zip(subs, node.names) if s in modules and a.name not in bound]
     if where in modules and len(out) < len(subs):  # names taken from the package itself
         out.append(where)
     return out
@@ -211,7 +214,10 @@ def test_every_folder_has_a_readme_and_an_init_naming_what_it_exports():
 
 
 def _exports(folder: str) -> set[str]:
-    tree = _modules()[folder]
+    return _all_of(_modules()[folder])
+
+
+def _all_of(tree: ast.Module) -> set[str]:
     for n in tree.body:
         if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets):
             return set(ast.literal_eval(n.value))

@@ -30,6 +30,7 @@ def test_every_example_is_tested():
     tested.add("gpt2_from_transformers")  # run against transformers itself by tests/test_hf.py
     tested.add("scan_lm")
     tested.add("pipeline_lm")  # run under 8 fake devices by tests/transforms/test_sharding_pipeline.py
+    tested.add("gpt2_lora")  # and against peft and transformers themselves by tests/test_gpt2_lora.py
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -125,3 +126,9 @@ def test_scan_lm():
     assert r["decode_matches_forward"]
     assert r["text"].startswith("Shall I ") and len(r["text"]) == 32
     np.testing.assert_array_equal(r["positions"], [31] * 12)  # every block's cache written
+
+
+def test_gpt2_lora_reads_back_its_peft_files_and_merges_the_head_alone():
+    out = load("gpt2_lora").main()
+    assert out["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert out["same"] and out["embedding_kept"]

@@ -33,6 +33,7 @@ from ._attention import MLP, CausalSelfAttention, KVCache, TransformerBlock
 from ._conv import Conv2d
 from ._dense import Chain, Dense, Embedding
 from ._dropout import Dropout, mode
+from ._lora import LoRA, adapters, lora, merge
 from ._norm import BatchNorm, LayerNorm, RMSNorm
 from ._quant import quantize
 
@@ -51,6 +52,10 @@ __all__ = [
     "KVCache",
     "mode",
     "quantize",
+    "LoRA",
+    "lora",
+    "adapters",
+    "merge",
 ]
 
 
