@@ -120,11 +120,14 @@ def at_run_time(name: str) -> object:
 
 
 def test_no_heading_of_the_reference_names_a_private_module(site):
-    private = [(n, page) for n, _, page in shown_objects(site) if any(p.startswith("_") for p in n.split("."))]
-    assert private == [], f"headings naming a private module or name: {private}"
+    def private(name: str) -> bool:
+        return any(part.startswith("_") for part in name.split("."))
+
+    named = [(n, page) for n, _, page in shown_objects(site) if private(n)]
+    assert named == [], f"headings naming a private module or name: {named}"
     for page in sorted((site / "api").glob("*.html")):
         ids = re.findall(r'<h\d id="([^"]+)" class="doc doc-heading"', page.read_text())
-        bad = [i for i in ids if any(p.startswith("_") for p in i.split("."))]
+        bad = [i for i in ids if private(i)]
         assert bad == [], f"{page.name}: {bad}"
 
 
