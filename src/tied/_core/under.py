@@ -12,9 +12,6 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import jax
-import optax
-
 
 def at_or_below(path: str, prefix: str) -> bool:
     """Whether ``path`` is ``prefix`` or a place below it (a segment boundary follows)."""
@@ -148,32 +145,7 @@ def covered(prefix: str, aliases: Iterable[tuple[str, ...]]) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------- selections that select nothing
-
-
-def warn_empty_masks(inner: Any, keys: Any) -> None:
-    """Warn for each optax mask or label (``masked``, ``multi_transform``) that selects no
-    parameter: seen where its inner rule keeps per-parameter state, all of it masked out."""
-
-    def per_param(x: Any) -> bool:
-        return type(x) is dict and x.keys() == keys
-
-    def masked(x: Any) -> bool:
-        return isinstance(x, optax.MaskedState)
-
-    for path, ms in jax.tree_util.tree_flatten_with_path(inner, is_leaf=masked)[0]:
-        if not masked(ms):
-            continue
-        entries = [d for d in jax.tree_util.tree_leaves(ms.inner_state, is_leaf=per_param) if per_param(d)]
-        if entries and all(isinstance(v, optax.MaskedNode) for d in entries for v in d.values()):
-            warnings.warn(
-                f"tied.optim.setup: the optax mask or labels at state{jax.tree_util.keystr(path)} select "
-                f"none of the {len(keys)} parameters ({', '.join(map(repr, list(keys)[:3]))}, ...), so "
-                "that rule moves nothing. They see keystr paths as tied.ties prints them; a Flax NNX "
-                "parameter's path ends in '.value' ('.block.kernel.value').",
-                UserWarning,
-                stacklevel=3,
-            )
+# ---------------------------------------------------------------- a selection that selects nothing
 
 
 def warn_none_selected(
