@@ -4,7 +4,10 @@ Builds the site into a temporary folder (as ``make docs`` does) and checks, with
 browser, what a reader who opens ``site/index.html`` meets: every relative link and
 asset of every page names a file on disk (not a folder, which a browser would show as a
 directory listing), search is set up to run without a server, "API reference" appears
-once in the navigation, and long code lines wrap. Needs the ``docs`` extra
+once in the navigation, and long code lines wrap. The API reference, read from the
+mkdocstrings inventory (``objects.inv``): every name it shows exists at run time under that
+name, every public name (each ``__all__`` of ``tied``, ``tied.nn``, ``tied.optim``) is shown
+exactly once, and no heading names a private module. Needs the ``docs`` extra
 (``pip install -e ".[docs]"``, or ``make docs``); skipped without it.
 """
 
