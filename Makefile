@@ -53,7 +53,7 @@ test: $(VENV)/.base
 	$(PY) -m ruff check src tests examples benchmarks docs/_hooks
 	$(PY) -m ruff format --check src tests examples benchmarks docs/_hooks
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadgroup
 
 # The site alone: built, checked from disk, then opened in a headless Chromium (search, every page's console);
 # its screenshots go to docs/screenshots/ (committed: look at them when the site's look changes).

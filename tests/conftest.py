@@ -1,5 +1,5 @@
 """Test configuration: hypothesis profiles (a fast default, a derandomized one for CI); the built
-documentation site, for the tests of the site."""
+documentation site, for the tests of the site, built once and its tests kept on one xdist worker."""
 
 import os
 import subprocess
@@ -18,10 +18,18 @@ settings.register_profile("ci", deadline=None, max_examples=50, derandomize=True
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
-@pytest.fixture(scope="module")
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``), every test of the built site
+    goes to one worker, so the site is built once (a session fixture is per worker)."""
+    for item in items:
+        if "site" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("site"))
+
+
+@pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
     """The documentation site built with mkdocs (``--strict``, as ``make docs`` does) into a temporary
-    folder, once per module that asks for it."""
+    folder, once per test session (per xdist worker; the site's tests share one worker)."""
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(

@@ -11,6 +11,7 @@ contributors' map and each folder's README name modules that exist.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -213,15 +214,16 @@ def test_every_folder_has_a_readme_and_an_init_naming_what_it_exports():
             ), f"{folder}/__init__.py has no __all__"
 
 
-def _exports(folder: str) -> set[str]:
+@functools.cache  # asked once per cross-folder import: parse the sources once per folder, not each time
+def _exports(folder: str) -> frozenset[str]:
     return _all_of(_modules()[folder])
 
 
-def _all_of(tree: ast.Module) -> set[str]:
+def _all_of(tree: ast.Module) -> frozenset[str]:
     for n in tree.body:
         if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets):
-            return set(ast.literal_eval(n.value))
-    return set()
+            return frozenset(ast.literal_eval(n.value))
+    return frozenset()
 
 
 def _cross_folder_imports() -> list[tuple[str, str, str]]:

@@ -4,13 +4,17 @@ Builds the site into a temporary folder (as ``make docs`` does) and checks, with
 browser, what a reader who opens ``site/index.html`` meets: every relative link and
 asset of every page names a file on disk (not a folder, which a browser would show as a
 directory listing), search is set up to run without a server, "API reference" appears
-once in the navigation, and long code lines wrap. Needs the ``docs`` extra
+once in the navigation, and long code lines wrap. The API reference, read from the
+mkdocstrings inventory (``objects.inv``): every name it shows exists at run time under that
+name, every public name (each ``__all__`` of ``tied``, ``tied.nn``, ``tied.optim``) is shown
+exactly once, and no heading names a private module. Needs the ``docs`` extra
 (``pip install -e ".[docs]"``, or ``make docs``); skipped without it.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -82,3 +86,95 @@ def test_long_code_lines_wrap(site):
     assert css, "the extra stylesheet is not linked"
     rules = (site / css[0]).read_text()
     assert re.search(r"pre\s*>\s*code\s*\{[^}]*white-space:\s*pre-wrap", rules), rules
+
+
+# The API reference, read from the mkdocstrings inventory (objects.inv, Sphinx's format): one entry per
+# object shown with a heading (priority 1; the aliases mkdocstrings adds for cross-references are 2).
+PUBLIC_MODULES = ("tied", "tied.nn", "tied.optim")
+
+
+def shown_objects(site: Path) -> list[tuple[str, str, str]]:
+    """(name, role, page) of every object the reference shows with a heading."""
+    raw = (site / "objects.inv").read_bytes()
+    header, _, body = raw.partition(b"zlib.\n")
+    assert header.startswith(b"# Sphinx inventory version 2"), header[:80]
+    shown = []
+    for line in zlib.decompress(body).decode().splitlines():
+        m = re.fullmatch(r"(\S+) (\S+) (-?\d+) (\S*) (.*)", line)
+        assert m, line
+        name, role, priority, uri, _ = m.groups()
+        if priority == "1":
+            shown.append((name, role, uri.split("#")[0]))
+    assert len(shown) > 50, shown
+    return shown
+
+
+def at_run_time(name: str) -> object:
+    """The object ``name`` (``tied.grad``, ``tied.nn.Dense.decode``) names, by attribute access from
+    ``tied`` as a user's code reaches it; AttributeError if it does not exist under that name."""
+    import tied
+
+    first, *rest = name.split(".")
+    assert first == "tied", name
+    obj: object = tied
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_no_heading_of_the_reference_names_a_private_module(site):
+    def private(name: str) -> bool:
+        return any(part.startswith("_") for part in name.split("."))
+
+    named = [(n, page) for n, _, page in shown_objects(site) if private(n)]
+    assert named == [], f"headings naming a private module or name: {named}"
+    for page in sorted((site / "api").glob("*.html")):
+        ids = re.findall(r'<h\d id="([^"]+)" class="doc doc-heading"', page.read_text())
+        bad = [i for i in ids if private(i)]
+        assert bad == [], f"{page.name}: {bad}"
+
+
+def test_every_name_the_reference_shows_exists_at_run_time_as_what_it_is_shown(site):
+    import types
+
+    wrong = []
+    for name, role, page in shown_objects(site):
+        if not name.startswith("tied."):
+            continue  # (there are none: the reference documents tied alone)
+        try:
+            obj = at_run_time(name)
+        except AttributeError as e:
+            wrong.append(f"{page}: {name} ({role}) does not exist at run time: {e}")
+            continue
+        if (role == "py:module") != isinstance(obj, types.ModuleType):
+            wrong.append(f"{page}: {name} is shown as {role} but is {type(obj).__name__} at run time")
+        module, _, short = name.rpartition(".")
+        if module in PUBLIC_MODULES and short not in at_run_time(module).__all__:
+            wrong.append(f"{page}: {name} is shown as a public name but is not in {module}.__all__")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_every_public_name_is_shown_exactly_once(site):
+    import tied
+
+    shown = shown_objects(site)
+    classes = {name for name, role, _ in shown if role == "py:class"}
+    listings = []  # (short name, full name, page, the object at run time or None) of every non-member
+    for name, _, page in shown:
+        if name.rpartition(".")[0] in classes:
+            continue  # a method or property, listed under its class
+        try:
+            obj = at_run_time(name)
+        except AttributeError:
+            obj = None  # no such name at run time (the test above names it): still a listing a reader sees
+        listings.append((name.rpartition(".")[2], name, page, obj))
+    bad = []
+    for module in PUBLIC_MODULES:
+        for short in at_run_time(module).__all__:
+            obj = getattr(at_run_time(module), short)
+            # the same object under another name (tied.view.View for tied.View), or the same name under
+            # a name that does not exist (tied.stack.Stack), is a second listing
+            where = [f"{n} ({p})" for s, n, p, o in listings if o is obj or (o is None and s == short)]
+            if len(where) != 1:
+                bad.append(f"{module}.{short} is shown {len(where)} times: {where}")
+    assert "grad" in tied.__all__ and bad == [], "\n".join(bad)

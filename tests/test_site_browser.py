@@ -125,10 +125,17 @@ def test_every_page_loads_with_no_console_error(site, browser):
 
 def test_screenshots_of_the_home_page_and_an_api_page(site, browser, tmp_path):
     """The pictures a reviewer looks at (docs/screenshots/), 1280 wide: the home page from its top,
-    and the jit page at its first parameter table (names must not break mid-word)."""
+    the jit page at its first parameter table (names must not break mid-word), the gradients page
+    from its top and the lifted page at `tied.stack` (each public function under its public name,
+    not its private module's)."""
     folder = Path(os.environ.get("TIED_SCREENSHOTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
-    shots = (("home.png", "index.html", None, 2200), ("api_jit.png", "api/jit.html", "table", 1000))
+    shots = (
+        ("home.png", "index.html", None, 2200),
+        ("api_jit.png", "api/jit.html", "table", 1000),
+        ("api_grad.png", "api/grad.html", None, 1600),
+        ("api_stack.png", "api/lifted.html", 'h2[id="tied.stack"]', 1600),
+    )
     for name, page, anchor, height in shots:
         browser.set_window_size(1280, height)
         browser.get((site / page).as_uri())

@@ -13,7 +13,7 @@ from .params import Trainable, is_param, trainable_mask
 from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, with_child
 from .read import read_places
 from .state import Rng, State
-from .under import at_or_below, covered, under, warn_empty_masks, warn_none_selected
+from .under import at_or_below, covered, under, warn_none_selected
 from .view import View, fn_name, materialize, matmul_t, take, transpose, view
 from .writeback import (
     copy_scope,
@@ -91,7 +91,6 @@ __all__ = [
     "under",
     "unflatten",
     "view",
-    "warn_empty_masks",
     "warn_none_selected",
     "where",
     "with_child",

@@ -1,4 +1,5 @@
-"""Paths as prefixes: "everything at or below these places", for ``trainable=`` and `tied.optim.freeze`.
+"""Paths as prefixes: "everything at or below these places", for ``trainable=`` and `tied.optim.freeze`;
+predicates that compose with ``~``, ``|`` and ``&``.
 
 A prefix matches a path at a path-segment boundary: ``.layers[1]`` matches
 ``.layers[1]`` and ``.layers[1].weight`` but not ``.layers[10]``; ``.enc``
@@ -12,8 +13,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import jax
-import optax
+import numpy as np
 
 
 def at_or_below(path: str, prefix: str) -> bool:
@@ -39,7 +39,63 @@ def _check_prefix(p: Any, who: str) -> str:
     return p
 
 
-class Under:
+def _operand(p: Any, op: str) -> Any:
+    if isinstance(p, str) or not callable(p):
+        hint = f" (a place: tied.under({p!r}))" if isinstance(p, str) else ""
+        raise TypeError(
+            f"tied.under(...) {op} ...: {p!r} is not a trainable= predicate (path, array) -> bool{hint}; "
+            "predicates combine with ~, | and &."
+        )
+    return p
+
+
+def _ask(p: Any, path: str, array: Any) -> bool:
+    r = p(path, array)
+    if not isinstance(r, (bool, np.bool_)):
+        raise TypeError(
+            f"{path or '<root>'}: {p!r} returned {type(r).__name__}, not a bool. Decide from the "
+            "path, shape and dtype (they are known under jit), e.g. lambda path, x: x.ndim > 1."
+        )
+    return bool(r)
+
+
+class Predicate:
+    """A ``trainable=`` predicate ``(path, array) -> bool`` that composes: ``~p``, ``p | q``, ``p & q``.
+
+    ``q`` may be any predicate, a plain function too, on either side. Each combination is decided
+    place by place (``(p | q)(path, x)`` is ``p(path, x) or q(path, x)``); the rule of
+    ``trainable=`` then applies to the result (a parameter is trainable when it holds at any of
+    its places). Combinations compare by value, as `Under` does.
+    """
+
+    __slots__ = ()
+
+    def __invert__(self) -> Predicate:
+        return Not(self)
+
+    def __or__(self, other: Any) -> Predicate:
+        return AnyOf((self, _operand(other, "|")))
+
+    def __ror__(self, other: Any) -> Predicate:
+        return AnyOf((_operand(other, "|"), self))
+
+    def __and__(self, other: Any) -> Predicate:
+        return AllOf((self, _operand(other, "&")))
+
+    def __rand__(self, other: Any) -> Predicate:
+        return AllOf((_operand(other, "&"), self))
+
+    def _key(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key() == self._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._key()))
+
+
+class Under(Predicate):
     """The predicate `tied.under` returns: ``(path, array) -> bool``, compared by its prefixes."""
 
     __slots__ = ("prefixes",)
@@ -50,14 +106,58 @@ class Under:
     def __call__(self, path: str, array: Any = None) -> bool:
         return any(at_or_below(path, p) for p in self.prefixes)
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is Under and other.prefixes == self.prefixes
-
-    def __hash__(self) -> int:
-        return hash((Under, self.prefixes))
+    def _key(self) -> tuple:
+        return self.prefixes
 
     def __repr__(self) -> str:
         return f"tied.under({', '.join(map(repr, self.prefixes))})"
+
+
+class Not(Predicate):
+    """``~p``: true where ``p`` is false."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, path: str, array: Any = None) -> bool:
+        return not _ask(self.inner, path, array)
+
+    def _key(self) -> tuple:
+        return (self.inner,)
+
+    def __repr__(self) -> str:
+        return f"~{self.inner!r}"
+
+
+class AnyOf(Predicate):
+    """``p | q``: true where either is (``q`` is not asked where ``p`` holds)."""
+
+    __slots__ = ("parts",)
+    _symbol = "|"
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def __call__(self, path: str, array: Any = None) -> bool:
+        return any(_ask(p, path, array) for p in self.parts)
+
+    def _key(self) -> tuple:
+        return self.parts
+
+    def __repr__(self) -> str:
+        return "(" + f" {self._symbol} ".join(map(repr, self.parts)) + ")"
+
+
+class AllOf(AnyOf):
+    """``p & q``: true where both are (``q`` is not asked where ``p`` fails)."""
+
+    __slots__ = ()
+    _symbol = "&"
+
+    def __call__(self, path: str, array: Any = None) -> bool:
+        return all(_ask(p, path, array) for p in self.parts)
 
 
 def under(*prefixes: str) -> Under:
@@ -74,12 +174,21 @@ def under(*prefixes: str) -> Under:
     in ``.value`` (``.block.kernel.value``), so a node prefix such as
     ``.block`` selects it.
 
+    Predicates compose: ``~p`` (everything but), ``p | q`` (either), ``p & q``
+    (both), where ``q`` may be a plain ``(path, array) -> bool`` function, on
+    either side. Each is decided place by place, then the rule above applies:
+    ``~tied.under(".head")`` trains every parameter with a place outside
+    ``.head``, so an embedding tied to the head still trains (through its
+    ``.embed`` place); leave a shared array out with all its places,
+    ``~tied.under(".head", ".embed")``.
+
     Args:
         *prefixes: keystr paths of places (``""`` or ``"<root>"``: everything).
 
     Returns:
         A callable ``(path, array) -> bool`` (an `Under`), equal to another of the same
-        prefixes, so `tied.jit` and `tied.optim` states compare it by value.
+        prefixes (and a combination to one of equal parts), so `tied.jit` and `tied.optim`
+        states compare it by value.
 
     Raises:
         TypeError: a prefix that is not a str.
@@ -99,6 +208,14 @@ def under(*prefixes: str) -> Under:
         (True, False)
         >>> tied.param_count(model, trainable=tied.under(".layers[1]"))   # enc, through its second place
         6
+        >>> tied.param_count(model, trainable=~tied.under(".layers[0]"))  # enc is at .layers[1] too: 6 + 3
+        9
+        >>> all_but_head = ~tied.under(".layers[2]")
+        >>> tied.optim.setup(optax.adam(1e-3), model, trainable=all_but_head).paths
+        ('.layers[0].weight', '.layers[0].bias')
+        >>> head_and_biases = tied.under(".layers[2]") | (lambda path, x: x.ndim == 1)
+        >>> tied.optim.setup(optax.adam(1e-3), model, trainable=head_and_biases).paths
+        ('.layers[0].bias', '.layers[2].weight', '.layers[2].bias')
     """
     if not prefixes:
         raise TypeError("tied.under() takes at least one prefix, e.g. tied.under('.enc1', '.head').")
@@ -148,32 +265,7 @@ def covered(prefix: str, aliases: Iterable[tuple[str, ...]]) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------- selections that select nothing
-
-
-def warn_empty_masks(inner: Any, keys: Any) -> None:
-    """Warn for each optax mask or label (``masked``, ``multi_transform``) that selects no
-    parameter: seen where its inner rule keeps per-parameter state, all of it masked out."""
-
-    def per_param(x: Any) -> bool:
-        return type(x) is dict and x.keys() == keys
-
-    def masked(x: Any) -> bool:
-        return isinstance(x, optax.MaskedState)
-
-    for path, ms in jax.tree_util.tree_flatten_with_path(inner, is_leaf=masked)[0]:
-        if not masked(ms):
-            continue
-        entries = [d for d in jax.tree_util.tree_leaves(ms.inner_state, is_leaf=per_param) if per_param(d)]
-        if entries and all(isinstance(v, optax.MaskedNode) for d in entries for v in d.values()):
-            warnings.warn(
-                f"tied.optim.setup: the optax mask or labels at state{jax.tree_util.keystr(path)} select "
-                f"none of the {len(keys)} parameters ({', '.join(map(repr, list(keys)[:3]))}, ...), so "
-                "that rule moves nothing. They see keystr paths as tied.ties prints them; a Flax NNX "
-                "parameter's path ends in '.value' ('.block.kernel.value').",
-                UserWarning,
-                stacklevel=3,
-            )
+# ---------------------------------------------------------------- a selection that selects nothing
 
 
 def warn_none_selected(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Any
 
 import jax
@@ -22,7 +23,6 @@ from .._core import (
     slots,
     trainable_mask,
     unflatten,
-    warn_empty_masks,
     warn_none_selected,
     write,
 )
@@ -105,6 +105,31 @@ def setup(tx: optax.GradientTransformation, model: Any, *, trainable: Trainable 
     if spec:
         warn_empty_masks(inner, keyed(spec, spec).keys())
     return OptState(inner, {}, tx, spec, trainable, layout)
+
+
+def warn_empty_masks(inner: Any, keys: Any) -> None:
+    """Warn for each optax mask or label (``masked``, ``multi_transform``) that selects no
+    parameter: seen where its inner rule keeps per-parameter state, all of it masked out."""
+
+    def per_param(x: Any) -> bool:
+        return type(x) is dict and x.keys() == keys
+
+    def masked(x: Any) -> bool:
+        return isinstance(x, optax.MaskedState)
+
+    for path, ms in jax.tree_util.tree_flatten_with_path(inner, is_leaf=masked)[0]:
+        if not masked(ms):
+            continue
+        entries = [d for d in jax.tree_util.tree_leaves(ms.inner_state, is_leaf=per_param) if per_param(d)]
+        if entries and all(isinstance(v, optax.MaskedNode) for d in entries for v in d.values()):
+            warnings.warn(
+                f"tied.optim.setup: the optax mask or labels at state{jax.tree_util.keystr(path)} select "
+                f"none of the {len(keys)} parameters ({', '.join(map(repr, list(keys)[:3]))}, ...), so "
+                "that rule moves nothing. They see keystr paths as tied.ties prints them; a Flax NNX "
+                "parameter's path ends in '.value' ('.block.kernel.value').",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 # ---------------------------------------------------------------- update
