@@ -61,6 +61,12 @@ class Stack:
             f"build a new one with tied.stack, or change the member's contents ({name!r} not set)."
         )
 
+    def __reduce__(self) -> tuple:
+        # `copy` and `pickle` rebuild a Stack through its constructor (the default would set
+        # its slots one by one, which an immutable Stack refuses); `copy.deepcopy` copies the
+        # member with its memo, so ties inside the member and with the rest of the model hold.
+        return (Stack, (self.n, self.member, self.stacked))
+
     def __len__(self) -> int:
         return self.n
 
