@@ -522,7 +522,9 @@ def rebuild(
     if statics is None:
         statics = graphdef.statics
     if keep is not None:
-        return _rebuild(graphdef, leaves, statics, materialize, _kept(graphdef, leaves, *keep))
+        kept = _kept(graphdef, leaves, *keep)
+        if any(obj is not None for obj in kept):  # else every node is new: the plans build them
+            return _rebuild(graphdef, leaves, statics, materialize, kept)
     memo = graphdef.memo
     build = memo.unflatten_plans.get(materialize)
     if build is None:
