@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._core import GraphDef, flatten, is_param, rebuild, unflatten
+from .._core import GraphDef, flatten, is_param, rebuild, renew, unflatten
 from .surgery import Places, get, put
 
 __all__ = ["map"]
@@ -117,8 +117,13 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
         return call(first[i] if with_path else "", leaves[i], [o[i] for o in others])
 
     if is_leaf is not None:
-        return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
-    return rebuild(gdef, [mapped(i) for i in range(len(leaves))], keep=(tree, leaves))
+        return renew(tree, _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf), how="map")
+    return renew(
+        tree,
+        rebuild(gdef, [mapped(i) for i in range(len(leaves))], keep=(tree, leaves)),
+        how="map",
+        gdef=gdef,
+    )
 
 
 _ONLY = ("all", "params", "state")
