@@ -10,6 +10,10 @@ Paths are keystr strings, as `tied.ties` and `tied.summary` print them
 (``'.layers[0].weight'``; ``''`` or ``'<root>'`` for the model itself). A valid path
 is a place of an array or of a container that holds arrays.
 
+Below a `tied.Stack`'s member every edit ends with the core's `renew`: the Stack's layout
+is made true of its arrays again, as unstack, edit every member, restack would make it, or
+the edit is refused naming the place (`Stack.__tied_renew__`).
+
 Places and their steps come from `GraphDef.walk_places`; no path is parsed. The two
 helpers that read and write one child of a container (`child`, `with_child`) use the
 core's node kinds; they write only into the fresh copy (and, for `tied.map`'s
@@ -258,8 +262,15 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     Returns:
         The new model.
 
+    Below a `tied.Stack`'s member, an array put at a stacked place stays stacked if its
+    leading axis is the stack's length and is one array for every member otherwise; a new
+    array elsewhere whose leading axis is the stack's length is refused (say which it is
+    with `Stack.map`).
+
     Raises:
         PathError: the path names no place.
+        ValueError: below a `tied.Stack`, a layout that cannot be told or cannot hold
+            (naming the place).
 
     Examples:
         >>> import jax.numpy as jnp, tied
