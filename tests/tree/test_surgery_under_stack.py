@@ -249,3 +249,17 @@ def test_random_surgery_under_a_stack_equals_unstack_edit_restack(n, ops):
     assert g_gdef == e_gdef
     for x, y in zip(g_leaves, e_leaves, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_surgery_in_a_stack_of_stacks_keeps_both_layouts_or_is_refused():
+    outer = tied.stack([tied.stack([{"w": jnp.full(2, 10.0 * i + j)} for j in range(3)]) for i in range(2)])
+    cast = tied.map(lambda x: x.astype(jnp.bfloat16), outer)  # shapes kept: both layouts kept
+    assert (cast.stacked, cast.member.stacked) == (outer.stacked, outer.member.stacked)
+    # one (2,) array for every inner member: the outer axis (also 2) would read it as stacked
+    with pytest.raises(ValueError, match=r"\.member\.member\['w'\] is in a Stack inside another Stack"):
+        tied.replace(outer, ".member.member['w']", jnp.ones(2))
+    both = outer.map(lambda inner: inner.map(lambda m: {**m, "w": jnp.ones(2)}))  # the way to say it
+    assert both.member.member["w"].shape == (2, 3, 2)
+    for i, inner in enumerate(tied.unstack(both)):
+        for j, m in enumerate(tied.unstack(inner)):
+            np.testing.assert_array_equal(m["w"], np.ones(2), err_msg=f"{i},{j}")

@@ -124,12 +124,14 @@ class Stack:
         return f"Stack({self.n} x {type(self.member).__name__})"
 
     @staticmethod
-    def __tied_renew__(old: Any, new: Stack, *, at: str, how: str, outside: dict) -> Stack:
+    def __tied_renew__(
+        old: Any, new: Stack, *, at: str, how: str, outside: dict, enclosing: int, edited: tuple
+    ) -> Stack:
         """After `tied.replace`, `tie`, `untie` or `map` changed something below a Stack (`renew`):
         the Stack with its layout made true of its member again (`_renewed`)."""
         if not isinstance(old, Stack) or (old.n, old.stacked) != (new.n, new.stacked):
             return new  # a Stack the edit put in: its layout is the caller's
-        return _renewed(old, new, at, how, outside)
+        return _renewed(old, new, at, how, outside, enclosing, set(edited))
 
     @staticmethod
     def __tied_layout__(aux: tuple) -> dict:
@@ -457,7 +459,7 @@ def unstack(s: Stack) -> list:
 # ---------------------------------------------------------------- after surgery
 
 
-def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict) -> Stack:
+def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing: int, edited: set) -> Stack:
     """``new`` (``old`` after an edit of its member, its layout as it was) with its layout true:
     an array of the old member keeps its layout; a new array at a place that held a stacked array
     is stacked if it has the leading axis ``n`` and otherwise broadcast (one array for every member,
@@ -465,7 +467,11 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict) -> Stack:
     new array at a broadcast place is broadcast; `tied.untie` gives each member its own copy (as
     untying every member's place gives); a new array at a new place is broadcast unless its leading
     axis is ``n`` (then which it is cannot be told: refused, naming the place). A node is stacked
-    when anything below it is. A stacked array also held outside the stack is refused."""
+    when anything below it is, or when it stands where a stacked node stood and the edit did not
+    put it there (a member's own container stays its own). A stacked array also held outside the
+    stack is refused. A new
+    array of the old one's shape at its place keeps its layout; in a Stack inside another
+    (``enclosing``), whose arrays carry the outer axes first, nothing else is read: refused."""
     n = new.n
     o_leaves, o_gdef, o_flags = layout(old)
     was = {id(x): f for x, f in zip(o_leaves, o_flags)}
@@ -483,8 +489,21 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict) -> Stack:
             here = was[id(x)]
         elif id(x) in outside:
             here = False
+        elif (
+            (b := o_places.get(p.path)) is not None
+            and b.kind == "array"
+            and _same_shape(o_leaves[b.index], x)
+        ):
+            here = o_flags[b.index] if how != "untie" else True
+            tile[q] = how == "untie" and not o_flags[b.index]
+        elif enclosing:
+            raise ValueError(
+                f"{_who(how)}: {where(name(p.path))} is in a Stack inside another Stack, whose arrays carry "
+                "the outer stack's axis first, so a new array there cannot be read. Edit through both: "
+                "outer.map(lambda inner: inner.map(f))."
+            )
         else:
-            here = _new_array(x, n, o_places.get(p.path), set(old.stacked), how, name(p.path))
+            here = _new_array(x, n, b, set(old.stacked), how, name(p.path))
             if how == "untie" and not here:
                 here = tile[q] = True
         if flags[q] is not None and flags[q] != here:
@@ -505,6 +524,11 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict) -> Stack:
     else:
         member = new.member
     node_stacked = [False] * gdef.num_nodes
+    o_nodes = _stacked_nodes(o_gdef, set(old.stacked))
+    for p in places:  # a member's own container, edited inside, stays its own
+        b = o_places.get(p.path)
+        if p.kind not in ("array", "static") and name(p.path) not in edited and b is not None:
+            node_stacked[p.index] |= b.kind not in ("array", "static") and o_nodes[b.index]
     open_nodes: list[int] = []
     for p in places:  # a node is stacked when anything below it is
         del open_nodes[p.depth :]
@@ -587,3 +611,7 @@ def _keep_broadcast(s: Stack, outs: list) -> list:
             if m_gdef == o_gdef and all(a is b for a, b in zip(m_leaves, o_leaves)):
                 outs[i] = put(out, steps, obj, places)
     return outs
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))

@@ -168,7 +168,7 @@ def tie(tree: Any, *paths: str) -> Any:
     for p in paths[1:]:
         if (after.kind.get(p), after.index.get(p)) != (after.kind[paths[0]], after.index[paths[0]]):
             raise _not_kept("tied.tie", p, "tie it")
-    return renew(tree, fresh, how="tie", gdef=after.gdef)
+    return renew(tree, fresh, how="tie", edited=paths[1:], gdef=after.gdef)
 
 
 def untie(tree: Any, path: str) -> Any:
@@ -223,7 +223,7 @@ def untie(tree: Any, path: str) -> Any:
     after = Places(flatten(fresh)[1])
     if path and (path not in after.kind or after.same_object(path) != (path,)):
         raise _not_kept("tied.untie", path, "untie it")
-    return renew(tree, fresh, how="untie", gdef=after.gdef)
+    return renew(tree, fresh, how="untie", edited=(path,), gdef=after.gdef)
 
 
 def _refuse_copying_above(places: Places, path: str) -> None:
@@ -286,7 +286,8 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     if joint is None and places.kind[path] == "array":
         new = list(leaves)
         new[places.leaf_of[path]] = value
-        return renew(tree, rebuild(gdef, new, keep=(tree, leaves)), how="replace", gdef=gdef)
+        out = rebuild(gdef, new, keep=(tree, leaves))
+        return renew(tree, out, how="replace", edited=places.same_object(path), gdef=gdef)
     fresh, value = joint if joint is not None else (unflatten(gdef, leaves), value)
     targets = sorted(places.same_object(path), key=len, reverse=True)
     if "" in targets:  # the root itself (it may also sit below itself, on a cycle)
@@ -296,7 +297,7 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     for q in targets:
         if get(fresh, places.steps[q], places) is not value:
             raise _not_kept("tied.replace", q, "put an object there")
-    return renew(tree, fresh, how="replace")
+    return renew(tree, fresh, how="replace", edited=tuple(targets))
 
 
 def _not_kept(who: str, path: str, what: str) -> GraphError:
