@@ -263,3 +263,20 @@ def test_surgery_in_a_stack_of_stacks_keeps_both_layouts_or_is_refused():
     for i, inner in enumerate(tied.unstack(both)):
         for j, m in enumerate(tied.unstack(inner)):
             np.testing.assert_array_equal(m["w"], np.ones(2), err_msg=f"{i},{j}")
+
+
+def test_one_array_put_in_each_members_own_state_cell_is_stacked_and_scans_as_the_loop():
+    # State is shared by cell: each member's own BatchNorm keeps its own statistics.
+    blocks = tied.stack([{"bn": tied.nn.BatchNorm(D)} for _ in range(N)])
+    s = tied.replace(blocks, ".member['bn'].running_mean.value", jnp.full(D, 0.5))
+    assert s.member["bn"].running_mean.value.shape == (N, D)
+    x = jnp.arange(2.0 * D).reshape(2, D)
+    h, _ = tied.scan(lambda c, m, _: (m["bn"](c), None), x, s)
+    by_hand = [tied.nn.BatchNorm(D) for _ in range(N)]
+    c = x
+    for bn in by_hand:
+        bn.running_mean.value = jnp.full(D, 0.5)
+        c = bn(c)
+    np.testing.assert_allclose(h, c, rtol=1e-5)
+    expected = np.stack([bn.running_mean.value for bn in by_hand])
+    np.testing.assert_allclose(s.member["bn"].running_mean.value, expected, rtol=1e-5)

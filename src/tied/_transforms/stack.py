@@ -518,11 +518,6 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing
                 f"be held at {where(outside[id(x)])}, outside the stack. Tie places inside each member, "
                 "or untie the outside place."
             )
-    if any(tile):
-        leaves = [jnp.stack([x] * n) if t else x for x, t in zip(leaves, tile)]
-        member = rebuild(gdef, leaves, keep=(new.member, flatten(new.member)[0]))
-    else:
-        member = new.member
     node_stacked = [False] * gdef.num_nodes
     o_nodes = _stacked_nodes(o_gdef, set(old.stacked))
     for p in places:  # a member's own container, edited inside, stays its own
@@ -539,7 +534,22 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing
                 node_stacked[j] = True
         if p.kind not in ("array", "static"):
             open_nodes.append(p.index)
+    cells = gdef.state_nodes()
+    for p in places:  # state is shared by cell: each member's own cell holds its own array
+        if (
+            p.kind == "array"
+            and not flags[p.index]
+            and p.parent >= 0
+            and cells[p.parent]
+            and node_stacked[p.parent]
+        ):
+            flags[p.index] = tile[p.index] = True
     _views_over_stacked(places, node_stacked)
+    if any(tile):
+        new_leaves = [jnp.stack([x] * n) if t else x for x, t in zip(leaves, tile)]
+        member = rebuild(gdef, new_leaves, keep=(new.member, leaves))
+    else:
+        member = new.member
     paths = tuple(
         sorted(
             p.path
