@@ -469,9 +469,9 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing
     axis is ``n`` (then which it is cannot be told: refused, naming the place). A node is stacked
     when anything below it is, or when it stands where a stacked node stood and the edit did not
     put it there (a member's own container stays its own). A stacked array also held outside the
-    stack is refused. A new
-    array of the old one's shape at its place keeps its layout; in a Stack inside another
-    (``enclosing``), whose arrays carry the outer axes first, nothing else is read: refused."""
+    stack is refused. A new array of the old one's shape at its place keeps its layout; in a
+    Stack inside another (``enclosing``), whose arrays carry the outer axes first, nothing else
+    is read: refused."""
     n = new.n
     o_leaves, o_gdef, o_flags = layout(old)
     was = {id(x): f for x, f in zip(o_leaves, o_flags)}
@@ -518,8 +518,41 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing
                 f"be held at {where(outside[id(x)])}, outside the stack. Tie places inside each member, "
                 "or untie the outside place."
             )
+    node_stacked = _node_layout(gdef, places, flags, tile, o_gdef, o_places, set(old.stacked), edited, name)
+    _views_over_stacked(places, node_stacked)
+    if any(tile):
+        new_leaves = [jnp.stack([x] * n) if t else x for x, t in zip(leaves, tile)]
+        member = rebuild(gdef, new_leaves, keep=(new.member, leaves))
+    else:
+        member = new.member
+    paths = tuple(
+        sorted(
+            p.path
+            for p in places
+            if (p.kind == "array" and flags[p.index])
+            or (p.kind not in ("array", "static") and node_stacked[p.index])
+        )
+    )
+    if paths == new.stacked and member is new.member:
+        return new
+    return Stack(n, member, paths)
+
+
+def _node_layout(
+    gdef: GraphDef,
+    places: list,
+    flags: list,
+    tile: list,
+    o_gdef: GraphDef,
+    o_places: dict,
+    stacked: set,
+    edited: set,
+    name: Any,
+) -> list[bool]:
+    """Per node of the renewed member, whether it is stacked (`_renewed`); an array in a stacked
+    state cell becomes stacked (``flags`` and ``tile`` updated)."""
     node_stacked = [False] * gdef.num_nodes
-    o_nodes = _stacked_nodes(o_gdef, set(old.stacked))
+    o_nodes = _stacked_nodes(o_gdef, stacked)
     for p in places:  # a member's own container, edited inside, stays its own
         b = o_places.get(p.path)
         if p.kind not in ("array", "static") and name(p.path) not in edited and b is not None:
@@ -544,23 +577,7 @@ def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing
             and node_stacked[p.parent]
         ):
             flags[p.index] = tile[p.index] = True
-    _views_over_stacked(places, node_stacked)
-    if any(tile):
-        new_leaves = [jnp.stack([x] * n) if t else x for x, t in zip(leaves, tile)]
-        member = rebuild(gdef, new_leaves, keep=(new.member, leaves))
-    else:
-        member = new.member
-    paths = tuple(
-        sorted(
-            p.path
-            for p in places
-            if (p.kind == "array" and flags[p.index])
-            or (p.kind not in ("array", "static") and node_stacked[p.index])
-        )
-    )
-    if paths == new.stacked and member is new.member:
-        return new
-    return Stack(n, member, paths)
+    return node_stacked
 
 
 def _who(how: str) -> str:
