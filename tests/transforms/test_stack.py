@@ -280,6 +280,39 @@ def test_a_stack_is_immutable():
         s.member = {"w": jnp.ones((2, 2))}
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_deepcopy_and_pickle_of_a_model_holding_a_stack_keep_its_layout_and_ties(how):
+    # Issue 34 (10): both raised "a tied.Stack is immutable" (the default reduce sets slots).
+    import copy
+    import pickle
+
+    blocks, norm, _ = _blocks(3)
+    model = {"blocks": tied.stack(blocks), "final": norm}
+    c = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    s, cs = model["blocks"], c["blocks"]
+    assert isinstance(cs, tied.Stack) and len(cs) == 3 and cs.stacked == s.stacked
+    assert cs.member["norm"] is c["final"] and cs.member["norm"] is not norm  # the tie, copied once
+    assert cs.member["drop"].rng is not s.member["drop"].rng
+    for (p, x), (q, y) in zip(places(model), places(c), strict=True):
+        assert p == q and type(x) is type(y)
+        if isinstance(x, jax.Array):
+            np.testing.assert_array_equal(_data(x), _data(y))
+
+    def groups(m):  # the identity class of every array and container place, first-seen order
+        ids: dict = {}
+        return [ids.setdefault(id(x), len(ids)) for _, x in places(m) if not isinstance(x, (int, float, str))]
+
+    assert groups(c) == groups(model)
+
+
+def test_copy_of_a_stack_is_a_stack_with_the_same_member():
+    import copy
+
+    s = tied.stack([{"w": jnp.ones(2)}, {"w": jnp.zeros(2)}])
+    c = copy.copy(s)
+    assert c is not s and c.member is s.member and (c.n, c.stacked) == (s.n, s.stacked)
+
+
 def test_members_that_are_arrays_and_stacks_of_stacks():
     s = tied.stack([jnp.full(3, float(i)) for i in range(4)])
     assert s.member.shape == (4, 3)

@@ -10,7 +10,7 @@ from .graphdef import GraphDef, expand, place_paths
 from .kinds import GraphError
 from .live import changed, check_written, restore, slots, write
 from .params import Trainable, is_param, trainable_mask
-from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, with_child
+from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, renew, with_child
 from .read import read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_none_selected
@@ -79,6 +79,7 @@ __all__ = [
     "refuse_dropped",
     "refuse_static_writes",
     "register",
+    "renew",
     "register_state",
     "restore",
     "slots",

@@ -68,7 +68,7 @@ from .plans import (
     plan_bound,
     unflatten_lines,
 )
-from .read import read_places
+from .read import node_objects, read_places
 from .refs import LEAF, NODE, STATIC, TAGS, split_ref
 
 __all__ = [
@@ -500,7 +500,19 @@ def unflatten(graphdef: GraphDef, leaves: Any) -> Any:
     return rebuild(graphdef, leaves)
 
 
-def rebuild(graphdef: GraphDef, leaves: Any, *, statics: Any = None, materialize: bool = False) -> Any:
+def rebuild(
+    graphdef: GraphDef,
+    leaves: Any,
+    *,
+    statics: Any = None,
+    materialize: bool = False,
+    keep: tuple[Any, list] | None = None,
+) -> Any:
+    """`unflatten`, with the core's options. ``keep=(model, model_leaves)``, the model ``graphdef``
+    was flattened from and its leaves: every node below which each array is the model's own
+    (``is``) stays the model's own object, so a state cell left alone is the model's cell and a
+    write into it reaches the model; a node with a new array anywhere below it is made anew (the
+    model's objects are never changed)."""
     leaves = list(leaves)
     if len(leaves) != graphdef.num_leaves:
         raise ValueError(
@@ -509,6 +521,10 @@ def rebuild(graphdef: GraphDef, leaves: Any, *, statics: Any = None, materialize
         )
     if statics is None:
         statics = graphdef.statics
+    if keep is not None:
+        kept = _kept(graphdef, leaves, *keep)
+        if any(obj is not None for obj in kept):  # else every node is new: the plans build them
+            return _rebuild(graphdef, leaves, statics, materialize, kept)
     memo = graphdef.memo
     build = memo.unflatten_plans.get(materialize)
     if build is None:
@@ -529,7 +545,31 @@ def rebuild(graphdef: GraphDef, leaves: Any, *, statics: Any = None, materialize
     return _rebuild(graphdef, leaves, statics, materialize)
 
 
-def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) -> Any:
+def _kept(graphdef: GraphDef, leaves: list, model: Any, model_leaves: list) -> list:
+    """Per node, the model's own object where nothing below it changed, else None."""
+    records = graphdef.records
+    changed = [False] * len(records)
+    parents: list[list[int]] = [[] for _ in records]
+    for j, (_, _, refs) in enumerate(records):
+        for r in refs:
+            tag, q = split_ref(r)
+            if tag == LEAF and leaves[q] is not model_leaves[q]:
+                changed[j] = True
+            elif tag == NODE:
+                parents[q].append(j)
+    todo = [j for j, c in enumerate(changed) if c]
+    while todo:  # up through every place of a node (a cycle included)
+        for p in parents[todo.pop()]:
+            if not changed[p]:
+                changed[p] = True
+                todo.append(p)
+    objs = node_objects(graphdef, model)
+    return [None if c else obj for c, obj in zip(changed, objs)]
+
+
+def _rebuild(
+    graphdef: GraphDef, leaves: list, statics: Any, materialize: bool, keep: list | None = None
+) -> Any:
     records = graphdef.records
     # One table indexed by reference (see `refs`), so that a node's children are fetched in
     # one C-level map.
@@ -540,6 +580,12 @@ def _rebuild(graphdef: GraphDef, leaves: list, statics: Any, materialize: bool) 
     get = table.__getitem__
     tags, node = TAGS, NODE  # locals: read once per node below
     mutable, post = rebuild_order(graphdef)
+    if keep is not None:
+        for j, obj in enumerate(keep):
+            if obj is not None:
+                table[tags * j + node] = obj
+        mutable = [j for j in mutable if keep[j] is None]
+        post = [j for j in post if keep[j] is None]
     for j in mutable:
         kind, meta, _ = records[j]
         table[tags * j + node] = KINDS[kind].shell(meta)

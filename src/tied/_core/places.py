@@ -13,9 +13,20 @@ import jax
 import numpy as np
 
 from .errors import Located, where
-from .graph import KIND_BY_NAME, GraphDef, GraphError, flatten
+from .graph import KIND_BY_NAME, KINDS, GraphDef, GraphError, flatten
 
-__all__ = ["LEAF_KINDS", "PathError", "Places", "child", "get", "is_array", "is_prefix", "put", "with_child"]
+__all__ = [
+    "LEAF_KINDS",
+    "PathError",
+    "Places",
+    "child",
+    "get",
+    "is_array",
+    "is_prefix",
+    "put",
+    "renew",
+    "with_child",
+]
 
 
 class PathError(Located, KeyError):
@@ -185,3 +196,60 @@ def put(root: Any, steps: tuple[str, ...], value: Any, places: Places) -> Any:
     for q in sorted(now.same_object("".join(steps[:-1])), key=len, reverse=True):
         root = put(root, now.steps[q], new, now)
     return root
+
+
+# ---------------------------------------------------------------- after an edit
+
+
+def renew(before: Any, after: Any, *, how: str, edited: tuple = (), gdef: GraphDef | None = None) -> Any:
+    """``after`` (a fresh result of the edit ``how`` of ``before``: ``"replace"``, ``"tie"``,
+    ``"untie"``, ``"map"``) with the static data of its nodes made true again.
+
+    A node type whose static data says what the arrays below it mean (a `tied.Stack`: which places
+    of its member are stacked) may define ``__tied_renew__(old, new, *, at, how, outside,
+    enclosing)``: ``new`` the node as the edit rebuilt it (its static data as it was), ``old`` the
+    node at the same place of ``before`` (None if there was none), ``at`` its path, ``outside`` the
+    arrays (``id`` to a path) that ``after`` also holds outside it, ``enclosing`` how many such
+    nodes hold it, ``edited`` the places the edit put an object at (``"replace"``, ``"tie"``,
+    ``"untie"``). It returns the node to put there (``new`` itself when nothing changes) or
+    raises ``ValueError`` naming the place. A node that is ``old`` itself
+    (nothing below it changed) is not asked. Inner nodes are asked first. ``gdef``: ``after``'s
+    GraphDef, if known (a graph without such a type is returned as it is, unwalked).
+    """
+    if gdef is None:
+        gdef = flatten(after)[1]
+    if not any(hasattr(KINDS[k].type_of(meta), "__tied_renew__") for k, meta, _ in gdef.records):
+        return after
+    old_places = Places(flatten(before)[1])
+    done: set[str] = set()
+    while True:
+        leaves, g = flatten(after)
+        places = Places(g)
+        renewing = [
+            p
+            for p in reversed(places.nodes())
+            if hasattr(get(after, places.steps[p], places), "__tied_renew__")
+        ]
+        todo = [p for p in renewing if p not in done]
+        if not todo:
+            return after
+        at = todo[0]
+        enclosing = sum(1 for q in renewing if is_prefix(places.steps[q], places.steps[at]))
+        done.update(places.same_object(at))
+        new = get(after, places.steps[at], places)
+        old = None
+        if at in old_places.steps and old_places.kind[at] == places.kind[at]:
+            old = get(before, old_places.steps[at], old_places)
+        if old is new:
+            continue
+        mine = [places.steps[q] for q in places.same_object(at)]
+        outside: dict[int, str] = {}
+        for path, q in g.place_leaves():
+            if not any(s == places.steps[path] or is_prefix(s, places.steps[path]) for s in mine):
+                outside.setdefault(id(leaves[q]), path)
+        out = type(new).__tied_renew__(
+            old, new, at=at, how=how, outside=outside, enclosing=enclosing, edited=edited
+        )
+        if out is not new:
+            for q in sorted(places.same_object(at), key=len, reverse=True):
+                after = put(after, places.steps[q], out, places)

@@ -12,13 +12,14 @@ sees a node with one child, and sharing is decided there as for any other node.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from .._core import GraphDef, Places, first_difference, flatten, get, put, rebuild, where
+from .._core import is_array as _is_array
 
 __all__ = ["Stack", "stack", "unstack", "layout"]
 
@@ -61,14 +62,76 @@ class Stack:
             f"build a new one with tied.stack, or change the member's contents ({name!r} not set)."
         )
 
+    def __reduce__(self) -> tuple:
+        # `copy` and `pickle` rebuild a Stack through its constructor (the default would set
+        # its slots one by one, which an immutable Stack refuses); `copy.deepcopy` copies the
+        # member with its memo, so ties inside the member and with the rest of the model hold.
+        return (Stack, (self.n, self.member, self.stacked))
+
     def __len__(self) -> int:
         return self.n
+
+    def map(self, f: Callable[..., Any], *xs: Any) -> Stack:
+        """The Stack of ``f(member_i, *xs_i)`` over its members: one change made to every member.
+
+        As `jax.lax.map` (or Equinox's ``jax.vmap`` over a stacked model) maps a function over
+        the leading axis, ``f`` gets each member as `tied.unstack` gives it and ``xs_i``, slice
+        ``i`` of each array (or pytree of arrays) in ``xs``; the results are stacked again
+        (`tied.stack`), so unstack, edit, restack is never written by hand. What ``f`` makes
+        anew for each member is stacked, what it closes over is one object for every member
+        (broadcast), and a broadcast object of the stack that ``f`` only copies (a fresh copy
+        with the very same arrays, as `tied.replace` of a container makes) stays the stack's
+        own object, so its ties outside the stack hold.
+
+        Args:
+            f: called as ``f(member, *slices)``; returns the new member (all of one structure).
+            *xs: arrays, or pytrees of arrays, with the leading axis ``len(self)``.
+
+        Returns:
+            The new `Stack` (this one is not changed).
+
+        Raises:
+            ValueError: an ``xs`` without the leading axis ``len(self)``, or results that
+                `tied.stack` refuses (naming the place).
+
+        Examples:
+            >>> import jax.numpy as jnp, tied
+            >>> emb = jnp.ones((4, 2))                                   # also the head
+            >>> s = tied.stack([{"w": jnp.full(2, float(i)), "emb": emb} for i in range(3)])
+            >>> gates = jnp.arange(6.0).reshape(3, 2)                    # one gate per member
+            >>> g = s.map(lambda m, gate: {**m, "gate": gate}, gates)
+            >>> g.member["gate"].shape, g.member["emb"] is emb, "['gate']" in g.stacked
+            ((3, 2), True, True)
+        """
+        for k, x in enumerate(xs):
+            for a in jax.tree_util.tree_leaves(x):
+                if getattr(a, "ndim", 0) < 1 or a.shape[0] != self.n:
+                    raise ValueError(
+                        f"Stack.map: xs[{k}] holds an array of shape {tuple(getattr(a, 'shape', ()))}, but "
+                        f"each array in xs needs the leading axis {self.n} (the stack's length): member i "
+                        "gets slice i."
+                    )
+        members = unstack(self)
+        outs = [
+            f(m, *[jax.tree_util.tree_map(lambda a, i=i: a[i], x) for x in xs]) for i, m in enumerate(members)
+        ]
+        return stack(_keep_broadcast(self, outs))
 
     def __getitem__(self, i: int) -> Any:
         return unstack(self)[i]
 
     def __repr__(self) -> str:
         return f"Stack({self.n} x {type(self.member).__name__})"
+
+    @staticmethod
+    def __tied_renew__(
+        old: Any, new: Stack, *, at: str, how: str, outside: dict, enclosing: int, edited: tuple
+    ) -> Stack:
+        """After `tied.replace`, `tie`, `untie` or `map` changed something below a Stack (`renew`):
+        the Stack with its layout made true of its member again (`_renewed`)."""
+        if not isinstance(old, Stack) or (old.n, old.stacked) != (new.n, new.stacked):
+            return new  # a Stack the edit put in: its layout is the caller's
+        return _renewed(old, new, at, how, outside, enclosing, set(edited))
 
     @staticmethod
     def __tied_layout__(aux: tuple) -> dict:
@@ -391,3 +454,191 @@ def unstack(s: Stack) -> list:
         _assemble(gdef, [x[i] if st else x for x, st in zip(leaves, leaf_stacked)], s.member, outer, seats)
         for i in range(s.n)
     ]
+
+
+# ---------------------------------------------------------------- after surgery
+
+
+def _renewed(old: Stack, new: Stack, at: str, how: str, outside: dict, enclosing: int, edited: set) -> Stack:
+    """``new`` (``old`` after an edit of its member, its layout as it was) with its layout true:
+    an array of the old member keeps its layout; a new array at a place that held a stacked array
+    is stacked if it has the leading axis ``n`` and otherwise broadcast (one array for every member,
+    as unstack, set, restack gives; `tied.map` refuses instead, since it maps the whole array); a
+    new array at a broadcast place is broadcast; `tied.untie` gives each member its own copy (as
+    untying every member's place gives); a new array at a new place is broadcast unless its leading
+    axis is ``n`` (then which it is cannot be told: refused, naming the place). A node is stacked
+    when anything below it is, or when it stands where a stacked node stood and the edit did not
+    put it there (a member's own container stays its own). A stacked array also held outside the
+    stack is refused. A new array of the old one's shape at its place keeps its layout; in a
+    Stack inside another (``enclosing``), whose arrays carry the outer axes first, nothing else
+    is read: refused."""
+    n = new.n
+    o_leaves, o_gdef, o_flags = layout(old)
+    was = {id(x): f for x, f in zip(o_leaves, o_flags)}
+    o_places = {p.path: p for p in _places(o_gdef)}
+    leaves, gdef = flatten(new.member)
+    places = _places(gdef)
+    name = lambda rel: at + ".member" + rel  # noqa: E731 - the place as tied prints it
+    flags: list = [None] * gdef.num_leaves
+    tile = [False] * gdef.num_leaves
+    for p in places:
+        if p.kind != "array":
+            continue
+        x, q = leaves[p.index], p.index
+        if id(x) in was:
+            here = was[id(x)]
+        elif id(x) in outside:
+            here = False
+        elif (
+            (b := o_places.get(p.path)) is not None
+            and b.kind == "array"
+            and _same_shape(o_leaves[b.index], x)
+        ):
+            here = o_flags[b.index] if how != "untie" else True
+            tile[q] = how == "untie" and not o_flags[b.index]
+        elif enclosing:
+            raise ValueError(
+                f"{_who(how)}: {where(name(p.path))} is in a Stack inside another Stack, whose arrays carry "
+                "the outer stack's axis first, so a new array there cannot be read. Edit through both: "
+                "outer.map(lambda inner: inner.map(f))."
+            )
+        else:
+            here = _new_array(x, n, b, set(old.stacked), how, name(p.path))
+            if how == "untie" and not here:
+                here = tile[q] = True
+        if flags[q] is not None and flags[q] != here:
+            raise ValueError(
+                f"{_who(how)}: the new array at {where(name(p.path))} would be stacked at one of its places "
+                "and broadcast at another. Edit each member with Stack.map instead."
+            )
+        flags[q] = here
+        if here and id(x) in outside:
+            raise ValueError(
+                f"{_who(how)}: the stacked array at {where(name(p.path))} (one slice per member) would also "
+                f"be held at {where(outside[id(x)])}, outside the stack. Tie places inside each member, "
+                "or untie the outside place."
+            )
+    node_stacked = _node_layout(gdef, places, flags, tile, o_gdef, o_places, set(old.stacked), edited, name)
+    _views_over_stacked(places, node_stacked)
+    if any(tile):
+        new_leaves = [jnp.stack([x] * n) if t else x for x, t in zip(leaves, tile)]
+        member = rebuild(gdef, new_leaves, keep=(new.member, leaves))
+    else:
+        member = new.member
+    paths = tuple(
+        sorted(
+            p.path
+            for p in places
+            if (p.kind == "array" and flags[p.index])
+            or (p.kind not in ("array", "static") and node_stacked[p.index])
+        )
+    )
+    if paths == new.stacked and member is new.member:
+        return new
+    return Stack(n, member, paths)
+
+
+def _node_layout(
+    gdef: GraphDef,
+    places: list,
+    flags: list,
+    tile: list,
+    o_gdef: GraphDef,
+    o_places: dict,
+    stacked: set,
+    edited: set,
+    name: Any,
+) -> list[bool]:
+    """Per node of the renewed member, whether it is stacked (`_renewed`); an array in a stacked
+    state cell becomes stacked (``flags`` and ``tile`` updated)."""
+    node_stacked = [False] * gdef.num_nodes
+    o_nodes = _stacked_nodes(o_gdef, stacked)
+    for p in places:  # a member's own container, edited inside, stays its own
+        b = o_places.get(p.path)
+        if p.kind not in ("array", "static") and name(p.path) not in edited and b is not None:
+            node_stacked[p.index] |= b.kind not in ("array", "static") and o_nodes[b.index]
+    open_nodes: list[int] = []
+    for p in places:  # a node is stacked when anything below it is
+        del open_nodes[p.depth :]
+        if (p.kind == "array" and flags[p.index]) or (
+            p.kind not in ("array", "static") and node_stacked[p.index]
+        ):
+            for j in open_nodes:
+                node_stacked[j] = True
+        if p.kind not in ("array", "static"):
+            open_nodes.append(p.index)
+    cells = gdef.state_nodes()
+    for p in places:  # state is shared by cell: each member's own cell holds its own array
+        if (
+            p.kind == "array"
+            and not flags[p.index]
+            and p.parent >= 0
+            and cells[p.parent]
+            and node_stacked[p.parent]
+        ):
+            flags[p.index] = tile[p.index] = True
+    return node_stacked
+
+
+def _who(how: str) -> str:
+    return f"tied.{how} under a tied.Stack"
+
+
+def _new_array(x: Any, n: int, before: Any, stacked: set, how: str, at: str) -> bool:
+    """Whether a new array of a Stack's member is stacked (`_renewed`'s rules)."""
+    lead = _is_array(x) and x.ndim >= 1 and x.shape[0] == n
+    if before is not None and before.kind == "array":
+        if before.path not in stacked or how == "untie":
+            return before.path in stacked
+        if how == "map" and not lead:
+            raise ValueError(
+                f"tied.map: the stacked array at {where(at)} (leading axis {n}, one slice per member) came "
+                f"back with shape {tuple(x.shape)}, without that axis. To change each member's arrays, map "
+                "each member: stack.map(lambda m: tied.map(f, m))."
+            )
+        return lead
+    if lead:
+        raise ValueError(
+            f"{_who(how)}: the new array at {where(at)} has shape {tuple(x.shape)}, whose leading axis is "
+            f"the stack's length {n}: it could be one slice per member (stacked) or one array for every "
+            "member (broadcast). Say which with Stack.map: stack.map(lambda m, g: <put g in m>, array) gives "
+            "member i the slice array[i]; an array closed over in the function is one array for every member."
+        )
+    return False
+
+
+def _keep_broadcast(s: Stack, outs: list) -> list:
+    """``outs`` with each broadcast node of ``s`` put back where every member holds a copy of it
+    with the very same arrays (the fresh copy a surgery makes): one object again, its ties kept."""
+    leaves, gdef, flags = layout(s)
+    node_stacked = _stacked_nodes(gdef, set(s.stacked))
+    old = Places(gdef)
+    flat = [flatten(o) for o in outs]
+    if any(f[1] != flat[0][1] for f in flat):
+        return outs  # tied.stack names the difference
+    places = Places(flat[0][1])
+    done: set[int] = set()
+    for p in _places(gdef):
+        if (
+            p.kind in ("array", "static")
+            or node_stacked[p.index]
+            or p.index in done
+            or p.path not in places.steps
+        ):
+            continue
+        done.add(p.index)
+        obj = get(s.member, old.steps[p.path], old)
+        o_leaves, o_gdef = flatten(obj)
+        steps = places.steps[p.path]
+        for i, out in enumerate(outs):
+            mine = get(out, steps, places)
+            if mine is obj:
+                continue
+            m_leaves, m_gdef = flatten(mine)
+            if m_gdef == o_gdef and all(a is b for a, b in zip(m_leaves, o_leaves)):
+                outs[i] = put(out, steps, obj, places)
+    return outs
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))

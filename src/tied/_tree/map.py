@@ -1,7 +1,8 @@
 """`tied.map`: `jax.tree_util.tree_map` over the unique arrays of a graph, ties kept.
 
 The core walk finds the unique arrays (`flatten`); ``f`` runs once on each, and
-`unflatten` puts each result back at every place of its array. With ``is_leaf``,
+`rebuild` puts each result back at every place of its array, keeping the model's own
+container wherever nothing below it changed. With ``is_leaf``,
 containers for which it holds are passed to ``f`` whole; their places are found
 from the GraphDef and read by path (see `_surgery`).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._core import GraphDef, flatten, is_param, unflatten
+from .._core import GraphDef, flatten, is_param, rebuild, renew, unflatten
 from .surgery import Places, get, put
 
 __all__ = ["map"]
@@ -54,7 +55,13 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
             whole by ``is_leaf`` are passed whatever they hold.
 
     Returns:
-        A new model: ``tree``'s structure, ties and statics, with ``f``'s results.
+        A new model: ``tree``'s structure, ties and statics, with ``f``'s results. Every
+        container below which ``f`` changed nothing (returned each array itself, or left it
+        out through ``only``) is ``tree``'s own object: with ``only="params"`` the state cells
+        are the model's, so state written through the result (a BatchNorm's statistics in a
+        bfloat16 copy made inside the loss) reaches the model, eagerly and under `tied.grad`
+        and `tied.jit`. Containers with a new array below them are new (``tree`` is never
+        changed). With ``is_leaf``, every container is new.
 
     Raises:
         ValueError: a tree in ``rest`` differs from ``tree``; the message names the first
@@ -75,6 +82,9 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
         >>> bumped = tied.map(lambda x: x + 1, model, only="state")   # parameters untouched
         >>> int(bumped["steps"].value), bumped["w"] is w
         (1, True)
+        >>> half = tied.map(lambda x: x.astype(jnp.bfloat16), model, only="params")
+        >>> half["steps"] is model["steps"]                              # the model's own cell
+        True
     """
     if only not in _ONLY:
         raise ValueError(
@@ -107,8 +117,13 @@ def map(  # noqa: A001 - the name is the contract: tied.map, like jax.tree_util.
         return call(first[i] if with_path else "", leaves[i], [o[i] for o in others])
 
     if is_leaf is not None:
-        return _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf)
-    return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
+        return renew(tree, _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf), how="map")
+    return renew(
+        tree,
+        rebuild(gdef, [mapped(i) for i in range(len(leaves))], keep=(tree, leaves)),
+        how="map",
+        gdef=gdef,
+    )
 
 
 _ONLY = ("all", "params", "state")
@@ -143,7 +158,7 @@ def _map_with_leaves(call, mapped, tree, rest, leaves, gdef, is_leaf) -> Any:
             whole.setdefault(id(obj), (obj, []))[1].append(p)
             covers[p] = id(obj)
     if not whole:
-        return unflatten(gdef, [mapped(i) for i in range(len(leaves))])
+        return rebuild(gdef, [mapped(i) for i in range(len(leaves))], keep=(tree, leaves))
     if "" in covers:
         return call("", tree, list(rest))
 

@@ -10,6 +10,10 @@ Paths are keystr strings, as `tied.ties` and `tied.summary` print them
 (``'.layers[0].weight'``; ``''`` or ``'<root>'`` for the model itself). A valid path
 is a place of an array or of a container that holds arrays.
 
+Below a `tied.Stack`'s member every edit ends with the core's `renew`: the Stack's layout
+is made true of its arrays again, as unstack, edit every member, restack would make it, or
+the edit is refused naming the place (`Stack.__tied_renew__`).
+
 Places and their steps come from `GraphDef.walk_places`; no path is parsed. The two
 helpers that read and write one child of a container (`child`, `with_child`) use the
 core's node kinds; they write only into the fresh copy (and, for `tied.map`'s
@@ -32,6 +36,8 @@ from .._core import (
     is_array,
     is_prefix,
     put,
+    rebuild,
+    renew,
     unflatten,
     where,
 )
@@ -162,7 +168,7 @@ def tie(tree: Any, *paths: str) -> Any:
     for p in paths[1:]:
         if (after.kind.get(p), after.index.get(p)) != (after.kind[paths[0]], after.index[paths[0]]):
             raise _not_kept("tied.tie", p, "tie it")
-    return fresh
+    return renew(tree, fresh, how="tie", edited=paths[1:], gdef=after.gdef)
 
 
 def untie(tree: Any, path: str) -> Any:
@@ -217,7 +223,7 @@ def untie(tree: Any, path: str) -> Any:
     after = Places(flatten(fresh)[1])
     if path and (path not in after.kind or after.same_object(path) != (path,)):
         raise _not_kept("tied.untie", path, "untie it")
-    return fresh
+    return renew(tree, fresh, how="untie", edited=(path,), gdef=after.gdef)
 
 
 def _refuse_copying_above(places: Places, path: str) -> None:
@@ -256,8 +262,15 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     Returns:
         The new model.
 
+    Below a `tied.Stack`'s member, an array put at a stacked place stays stacked if its
+    leading axis is the stack's length and is one array for every member otherwise; a new
+    array elsewhere whose leading axis is the stack's length is refused (say which it is
+    with `Stack.map`).
+
     Raises:
         PathError: the path names no place.
+        ValueError: below a `tied.Stack`, a layout that cannot be told or cannot hold
+            (naming the place).
 
     Examples:
         >>> import jax.numpy as jnp, tied
@@ -273,7 +286,8 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     if joint is None and places.kind[path] == "array":
         new = list(leaves)
         new[places.leaf_of[path]] = value
-        return unflatten(gdef, new)
+        out = rebuild(gdef, new, keep=(tree, leaves))
+        return renew(tree, out, how="replace", edited=places.same_object(path), gdef=gdef)
     fresh, value = joint if joint is not None else (unflatten(gdef, leaves), value)
     targets = sorted(places.same_object(path), key=len, reverse=True)
     if "" in targets:  # the root itself (it may also sit below itself, on a cycle)
@@ -283,7 +297,7 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     for q in targets:
         if get(fresh, places.steps[q], places) is not value:
             raise _not_kept("tied.replace", q, "put an object there")
-    return fresh
+    return renew(tree, fresh, how="replace", edited=tuple(targets))
 
 
 def _not_kept(who: str, path: str, what: str) -> GraphError:
