@@ -286,7 +286,9 @@ def replace(tree: Any, path: str, value: Any) -> Any:
     if joint is None and places.kind[path] == "array":
         new = list(leaves)
         new[places.leaf_of[path]] = value
-        out = rebuild(gdef, new, keep=(tree, leaves))
+        # fresh containers, as tie and untie give: a result that shared the input's untouched
+        # layers would carry a later in-place write (a state cell, an attribute) into the input
+        out = rebuild(gdef, new)
         return renew(tree, out, how="replace", edited=places.same_object(path), gdef=gdef)
     fresh, value = joint if joint is not None else (unflatten(gdef, leaves), value)
     targets = sorted(places.same_object(path), key=len, reverse=True)
