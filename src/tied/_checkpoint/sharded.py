@@ -452,6 +452,8 @@ def _indexed(folder: str, entries: Sequence[str]) -> set[str] | None:
         if e.startswith(".") or not e.endswith(".safetensors.index.json"):
             continue
         try:
+            if not stat.S_ISREG(os.stat(os.path.join(folder, e)).st_mode):
+                return None  # a pipe would block the read; a directory names nothing we can know
             named.update(read_index(os.path.join(folder, e))[0].values())
         except (CheckpointError, OSError):
             return None
