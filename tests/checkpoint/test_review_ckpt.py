@@ -52,3 +52,51 @@ def test_a_pipe_named_as_an_index_does_not_hang_a_sharded_save(tmp_path):
         "model.safetensors.index.json",
         "other.safetensors.index.json",
     ]
+
+
+def _in_thread(call, pipe):
+    """``call()`` in a thread; if it blocks on the FIFO ``pipe`` for 60 s, unblock it and fail."""
+    out: list = []
+
+    def run():
+        try:
+            call()
+            out.append(None)
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    if not out:
+        with open(pipe, "wb"):
+            pass
+        t.join(10)
+        pytest.fail(f"blocked reading the pipe {pipe}")
+    return out[0]
+
+
+def test_a_pipe_given_as_an_index_is_refused_not_read(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    err = _in_thread(lambda: tied.load(index, {"a": jnp.ones(3)}), index)
+    assert isinstance(err, tied.CheckpointError)
+    assert "not a regular file" in str(err)
+
+
+@pytest.mark.parametrize("which", ["file", "shard", "index"])
+def test_a_loop_of_symbolic_links_is_a_checkpoint_error(tmp_path, which):
+    model = {"a": jnp.ones(3), "b": jnp.zeros(3)}
+    folder = tmp_path / "set"
+    tied.save(folder, model, max_shard_size=12)
+    if which == "file":
+        target = tmp_path / "loop.safetensors"
+        path = target
+    else:
+        name = "model-00002-of-00002.safetensors" if which == "shard" else "model.safetensors.index.json"
+        target = folder / name
+        os.remove(target)
+        path = folder / "model.safetensors.index.json"
+    os.symlink(target, target)
+    with pytest.raises(tied.CheckpointError, match=r"cannot be (opened|read).*"):
+        tied.load(path, model)

@@ -163,12 +163,16 @@ def _basename_ok(name: Any) -> bool:
 
 def read_index(path: str) -> tuple[dict[str, str], dict]:
     """An index's ``weight_map`` (each shard a plain file name beside it) and its ``metadata``."""
+    bad = f"{path}: not a safetensors index (Hugging Face's {{'metadata': ..., 'weight_map': ...}}): "
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read
+            raise CheckpointError(bad + "it is not a regular file.")
         with open(path, "rb") as f:
             raw = f.read(safetensors_format._MAX_HEADER + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such index file.") from None
-    bad = f"{path}: not a safetensors index (Hugging Face's {{'metadata': ..., 'weight_map': ...}}): "
+    except OSError as e:  # a loop of symbolic links, no permission to read
+        raise CheckpointError(bad + f"it cannot be opened ({e.strerror or type(e).__name__}).") from None
     if len(raw) > safetensors_format._MAX_HEADER:
         raise CheckpointError(bad + f"over {safetensors_format._MAX_HEADER} bytes.")
     try:
@@ -452,8 +456,6 @@ def _indexed(folder: str, entries: Sequence[str]) -> set[str] | None:
         if e.startswith(".") or not e.endswith(".safetensors.index.json"):
             continue
         try:
-            if not stat.S_ISREG(os.stat(os.path.join(folder, e)).st_mode):
-                return None  # a pipe would block the read; a directory names nothing we can know
             named.update(read_index(os.path.join(folder, e))[0].values())
         except (CheckpointError, OSError):
             return None
