@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tied
 
@@ -100,3 +103,84 @@ def test_a_loop_of_symbolic_links_is_a_checkpoint_error(tmp_path, which):
     os.symlink(target, target)
     with pytest.raises(tied.CheckpointError, match=r"cannot be (opened|read).*"):
         tied.load(path, model)
+
+
+def _neg(a):
+    return -a
+
+
+def _build(spec, node_spec, arrays):
+    """A dict model: at each key an array, one shared dict node, or a `tied.view` of an array."""
+    node = {k: arrays[i] for k, i in node_spec}
+    kinds = {"a": lambda i: arrays[i], "n": lambda i: node, "v": lambda i: tied.view(arrays[i], _neg)}
+    return {k: kinds[kind](i) for k, kind, i in spec}
+
+
+def _places(spec, node_spec):
+    """Every (place as tied prints it, array index), written out by hand."""
+    out = []
+    for k, kind, i in spec:
+        if kind == "a":
+            out.append((f"['{k}']", i))
+        elif kind == "v":
+            out.append((f"['{k}'].source", i))
+        else:
+            out += [(f"['{k}']['{nk}']", ni) for nk, ni in node_spec]
+    return out
+
+
+def _at(tree, spec, node_spec):
+    """(object at each array place, array index), read back by hand."""
+    out = []
+    for k, kind, i in spec:
+        if kind == "a":
+            out.append((tree[k], i))
+        elif kind == "v":
+            out.append((tree[k].source, i))
+        else:
+            out += [(tree[k][nk], ni) for nk, ni in node_spec]
+    return out
+
+
+@st.composite
+def _case(draw):
+    n = draw(st.integers(1, 3))
+    shapes = [draw(st.integers(1, 3)) for _ in range(n)]
+    keys = draw(st.permutations(["p", "q", "r", "s"]))[: draw(st.integers(1, 4))]  # random key order
+    node_spec = [
+        (k, draw(st.integers(0, n - 1))) for k in draw(st.sampled_from([["w"], ["w", "u"], ["u", "w"]]))
+    ]
+    spec = [(k, draw(st.sampled_from("anv")), draw(st.integers(0, n - 1))) for k in keys]
+    chosen = draw(st.sets(st.sampled_from([p for p, _ in _places(spec, node_spec)])))
+    return shapes, spec, node_spec, chosen, draw(st.sampled_from([None, 4, 1000]))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=_case())
+def test_random_graphs_with_shared_nodes_and_views_round_trip_through_only(tmp_path_factory, c):
+    shapes, spec, node_spec, chosen, limit = c
+    arrays = [jnp.arange(s, dtype=jnp.float32) + 10 * i + 1 for i, s in enumerate(shapes)]
+    bases = [jnp.zeros(s, jnp.float32) - 100 - i for i, s in enumerate(shapes)]
+    model, like = _build(spec, node_spec, arrays), _build(spec, node_spec, bases)
+    selected = {i for p, i in _places(spec, node_spec) if p in chosen}  # saved if chosen at any place
+    folder = tmp_path_factory.mktemp("only")
+    path, kw = (folder / "set", {"max_shard_size": limit}) if limit else (folder / "f.safetensors", {})
+    if not selected:
+        with pytest.raises(tied.CheckpointError, match="selects no array"):
+            tied.save(path, model, only=lambda p, a: p in chosen, **kw)
+        return
+    tied.save(path, model, only=lambda p, a: p in chosen, **kw)
+    files = sorted(path.glob("*.safetensors")) if limit else [path]
+    held = [v.tobytes() for f in files for v in safetensors.numpy.load_file(f).values()]
+    assert sorted(held) == sorted(np.asarray(arrays[i]).tobytes() for i in selected)  # each once
+    back = tied.load(path, like)
+    objects: dict[int, set[int]] = {}
+    for got, i in _at(back, spec, node_spec):
+        if i in selected:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(arrays[i]))
+        else:
+            assert got is bases[i]  # like's own array, as it is
+        objects.setdefault(i, set()).add(id(got))
+    assert all(len(ids) == 1 for ids in objects.values())  # every tie kept
+    for got, i in _at(like, spec, node_spec):
+        assert got is bases[i]  # like unchanged
