@@ -578,6 +578,12 @@ def _check_left_out(
 ) -> None:
     """An array the file left out (`tied.save(only=...)`) stays like's own, so like must have there
     exactly what the saved model had: nothing is read, cast or transformed."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # the result would hold it as the base's value
+        raise CheckpointError(
+            f"{where}: like has no value at {keystr(place)} (a jax.ShapeDtypeStruct), which the file "
+            "leaves out (saved with tied.save(only=...)): the file holds some arrays, and the rest are "
+            "like's own. Pass the base model itself (its arrays) as like."
+        )
     want, got = stored(leaf), (tuple(shape), dtype, key)
     if want != got:
         what = "shape" if want[0] != got[0] else "dtype" if want[1] != got[1] else "kind of array"

@@ -451,13 +451,20 @@ def open_header(path: str) -> Header:
     Raises:
         FileNotFoundError: nothing is there (the caller says what was expected).
         CheckpointError: something other than a regular file is there (a directory, a pipe
-            that would block the read), or its header is not a checked safetensors header.
+            that would block the read, a loop of symbolic links, a file it may not read), or its
+            header is not a checked safetensors header.
     """
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise corrupt(path, f"it is {what}, where a safetensors file was expected")
-    with open(path, "rb") as f:
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise corrupt(path, f"it is {what}, where a safetensors file was expected")
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a loop of symbolic links, no permission to read
+        raise corrupt(path, f"it cannot be opened ({e.strerror or type(e).__name__})") from None
+    with f:
         return read_header(f, path)
 
 

@@ -163,12 +163,16 @@ def _basename_ok(name: Any) -> bool:
 
 def read_index(path: str) -> tuple[dict[str, str], dict]:
     """An index's ``weight_map`` (each shard a plain file name beside it) and its ``metadata``."""
+    bad = f"{path}: not a safetensors index (Hugging Face's {{'metadata': ..., 'weight_map': ...}}): "
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the read
+            raise CheckpointError(bad + "it is not a regular file.")
         with open(path, "rb") as f:
             raw = f.read(safetensors_format._MAX_HEADER + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such index file.") from None
-    bad = f"{path}: not a safetensors index (Hugging Face's {{'metadata': ..., 'weight_map': ...}}): "
+    except OSError as e:  # a loop of symbolic links, no permission to read
+        raise CheckpointError(bad + f"it cannot be opened ({e.strerror or type(e).__name__}).") from None
     if len(raw) > safetensors_format._MAX_HEADER:
         raise CheckpointError(bad + f"over {safetensors_format._MAX_HEADER} bytes.")
     try:
