@@ -34,6 +34,7 @@ import itertools
 import linecache
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..classify import _STATIC, _array_types, _type_cache
@@ -45,25 +46,29 @@ from ..kinds import (
     LIST,
     NAMEDTUPLE,
     OBJ,
-    PYTREE,
-    SLOTS,
     TUPLE,
-    VIEW,
-    _pytree_def,
-    _registry,
 )
-from ..refs import LEAF, NODE, STATIC, TAGS, split_ref
-from ..strict import _same_strict, _strict
-from ..view import View
-from .loops import (
+from ..refs import LEAF, NODE, STATIC, TAGS
+from ..strict import _strict
+from .emit import (
+    BUILD_NAMES,
+    CHECK_ALL_SAME,
+    CHECK_SAME,
+    EMITTERS,
     EXACT_EQ,
+    READ_NAMES,
+    UNPACK,
+    Code,
+    Miss,
+    tup,
+)
+from .loops import (
     Layout,
     Run,
     flatten_lines,
     flatten_loop,
     layout,
     layout_and_order,
-    plain_attributes,
     unflatten_lines,
     unflatten_loop,
     walk_order,
@@ -89,13 +94,9 @@ def plan_bound(sightings: int) -> int:
     return MAX_LARGE_PLAN_LINES if sightings >= LARGE_PLAN_SIGHTINGS else MAX_PLAN_LINES
 
 
-class _Miss(Exception):
-    """The graph differs from the plan's GraphDef."""
-
-
 # What reading a changed graph with an old plan can raise (a missing key or
 # attribute, indexing the wrong type); anything else is a bug and propagates.
-_FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
+_FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, Miss)
 
 _counter = itertools.count()
 
@@ -191,17 +192,13 @@ class _FlattenEmitter:
 
     def __init__(self, gdef: GraphDef, lay: Layout) -> None:
         self.gdef, self.lay, self.records = gdef, lay, gdef.records
-        ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
-        ns["SAME"] = _same_strict
-        ns["is_"], ns["is_not"] = operator.is_, operator.is_not
-        ns["FOL"] = _registry.flatten_one_level
-        ns["chain"] = itertools.chain
-        ns["compress"] = itertools.compress
-        ns["STR"] = frozenset((str,))
+        ns: dict[str, Any] = {**READ_NAMES, "AT": _array_types, "is_not": operator.is_not}
+        ns["chain"], ns["compress"] = itertools.chain, itertools.compress
         self.ns = ns
         self.lines = ["def plan(root):"]
-        self.emit = self.lines.append
         self.const = _constants(ns)
+        self.code = Code(self.lines, " ", self.const)
+        self.emit = self.code.emit
         # Expression yielding child i of node q, once node q sits in local n{q}.
         self.child_expr: dict[int, list[str]] = {}
         self.seen_leaf: set[int] = set()
@@ -209,7 +206,9 @@ class _FlattenEmitter:
         self.statics: list[str] = []  # locals holding static values, in order
         self.static_values: list[Any] = []
         self.tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
-        self.objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
+        # (node local, dict local, type, names): checked at once (`check_objects`)
+        self.objects: list[tuple[str, str, Any, tuple]] = []
+        self.code.objects = self.objects
         self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
         # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
         self.starts: list[int] = []
@@ -252,8 +251,8 @@ class _FlattenEmitter:
         emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
         run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
         if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
-            emit(" TN = []")
-            emit(" tn = TN.extend")
+            emit("TN = []")
+            emit("tn = TN.extend")
         skip = 0
         for parent, i, r in order:
             if skip:
@@ -270,15 +269,15 @@ class _FlattenEmitter:
             if tag == STATIC:
                 self.statics.append(f"s{q}")
                 self.static_values.append(self.gdef.statics[q])
-                emit(f" s{q} = {expr}")
+                emit(f"s{q} = {expr}")
             elif tag == LEAF:
                 if q in seen_leaf:
-                    emit(f" if {expr} is not {self.leaf(q)}: raise M")
+                    emit(CHECK_SAME, expr=expr, known=self.leaf(q))
                 else:
                     seen_leaf.add(q)
-                    emit(f" l{q} = {expr}")
+                    emit(f"l{q} = {expr}")
             elif q in self.seen_node:  # a later place of a node: the same object
-                emit(f" if {expr} is not n{q}: raise M")
+                emit(CHECK_SAME, expr=expr, known=f"n{q}")
             else:
                 self.node(q, expr)
 
@@ -298,102 +297,41 @@ class _FlattenEmitter:
 
     def node(self, q: int, expr: str) -> None:
         """Node ``q``'s first place, read from ``expr`` into local ``n{q}`` and checked as its
-        kind says; its children's expressions kept for their places."""
+        kind's emitter says; its children's expressions kept for their places."""
         self.seen_node.add(q)
         record = self.records[q]
         kind, meta, refs = record
-        v = f"n{q}"
-        self.emit(f" {v} = {expr}")
+        v, n = f"n{q}", len(refs)
+        self.emit(f"{v} = {expr}")
         if not untracked(record) and not (kind in _READ_BY_KEY and any(map(self.own.__contains__, refs))):
             self.tracked_nodes.append((v, record))
-        if kind == LIST or kind == TUPLE:
-            children = self.read_sequence(q, v, kind, refs)
-        elif kind == DICT:
-            children = self.read_dict(q, v, meta, refs)
-        elif KINDS[kind].fields_in_dict:
-            self.objects.append((v, f"d{q}", meta[0], meta[1]))
-            self.emit(f" d{q} = {v}.__dict__")
-            children = [f"d{q}[{name!r}]" for name in meta[1]]
-        elif kind == NAMEDTUPLE:
-            t = self.const(meta, "T")
-            self.emit(f" if type({v}) is not {t} or len({v}) != {len(refs)}: raise M")
-            children = [f"{v}[{k}]" for k in range(len(refs))]
-        elif kind == PYTREE:
-            children = self.read_by_call(q, v, len(refs), meta[0], None, meta[1], ("AUX", "SAUX"))
-        elif kind == VIEW:
-            fn = self.const(meta, "FN")
-            sfn = self.const(_strict(meta), "SFN")
-            self.emit(
-                f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M"
-            )
-            children = [f"{v}.source"]
-        else:  # any other kind: its own children(), its meta compared strictly
-            t = KINDS[kind].type_of(meta)
-            children = self.read_by_call(q, v, len(refs), t, KINDS[kind].children, meta, ("MT", "SM"))
-        self.child_expr[q] = children
+        emitter = EMITTERS[kind]
+        if q not in self.lay.bulk:
+            self.child_expr[q] = emitter.read(self.code, v, meta, n, str(q))
+            if emitter.unpacks and n > 1:
+                self.arrays(q, v, refs)
+            return
+        # arrays all seen here first: the node holds them (a sequence), or one statement reads them
+        holder = v if emitter.unpacks else f"RD{q}"
+        self.child_expr[q] = emitter.read(self.code, v, meta, n, str(q), None if emitter.unpacks else holder)
+        first = refs[0] // TAGS
+        self.held(first, first + n, holder)
+        self.bulk.add(q)
 
-    def read_sequence(self, q: int, v: str, kind: int, refs: tuple) -> list[str]:
-        """A list or tuple: its type and length; its arrays in one statement where it can."""
-        emit, seen_leaf, n = self.emit, self.seen_leaf, len(refs)
-        emit(f" if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
+    def arrays(self, q: int, v: str, refs: tuple) -> None:
+        """A sequence of arrays only, read in one statement: all the very arrays met before,
+        or all new ones unpacked."""
         leaf_qs = [c // TAGS for c in refs if c % TAGS == LEAF]
-        if q in self.lay.bulk:  # arrays all seen here first: the sequence holds them
-            self.held(leaf_qs[0], leaf_qs[0] + n, v)
+        if len(leaf_qs) != len(refs):
+            return
+        seen_leaf = self.seen_leaf
+        if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+            self.emit(CHECK_ALL_SAME, v=v, known=tup([self.leaf(c) for c in leaf_qs]))
             self.bulk.add(q)
-        elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
-            if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
-                known = _tup([self.leaf(c) for c in leaf_qs])
-                emit(f" if not all(map(is_, {v}, {known})): raise M")
-                self.bulk.add(q)
-            elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
-                emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
-                seen_leaf.update(leaf_qs)
-                self.bulk.add(q)
-        return [f"{v}[{k}]" for k in range(n)]
-
-    def read_dict(self, q: int, v: str, meta: Any, refs: tuple) -> list[str]:
-        """A dict: its type and its keys in the model's insertion order (which the rebuilt dict
-        keeps), exact where they are not all str; its arrays in one statement where it can."""
-        emit, const, n = self.emit, self.const, len(refs)
-        keys, order = meta
-        ks = const(keys, "K")
-        inserted = const(keys if order is None else order, "KI")
-        str_keys = all(type(k) is str for k in keys)
-        if n and str_keys:
-            # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
-            # the same strings): those are exact str. Else equal, and checked exact str here.
-            emit(
-                f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
-                f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
-            )
-        else:
-            emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
-        if q in self.lay.bulk:  # arrays all seen here first: read them in one statement
-            _, first = split_ref(refs[0])
-            read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
-            emit(f" RD{q} = {read}")
-            self.held(first, first + n, f"RD{q}")
+        elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == len(refs):
+            self.emit(UNPACK, targets=", ".join(f"l{c}" for c in leaf_qs), v=v)
+            seen_leaf.update(leaf_qs)
             self.bulk.add(q)
-        if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
-            sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
-            emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
-        return [f"{v}[{ks}[{k}]]" for k in range(n)]
-
-    def read_by_call(
-        self, q: int, v: str, n: int, typ: type, children: Any, meta: Any, prefixes: tuple[str, str]
-    ) -> list[str]:
-        """A node whose children come from a call (``children``: the kind's own; None for a JAX
-        pytree, flattened one level by JAX), checked by type first (the call may run user
-        code), then its arity and its meta (a pytree's aux data) compared strictly; the meta
-        and its strict key are bound under ``prefixes``."""
-        const, emit = self.const, self.emit
-        t = const(typ, "T")
-        call = "FOL" if children is None else const(children, "CH")
-        expected, strict = const(meta, prefixes[0]), const(_strict(meta), prefixes[1])
-        emit(f" if type({v}) is not {t}: raise M")
-        emit(f" c{q}, a{q} = {call}({v})")
-        emit(f" if len(c{q}) != {n} or not SAME(a{q}, {expected}, {strict}): raise M")
-        return [f"c{q}[{k}]" for k in range(n)]
 
     # ------------------------------------------------ the checks, once every place is read
 
@@ -403,12 +341,12 @@ class _FlattenEmitter:
         if not objects:
             return
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
-        self.emit(f" if tuple(map(type, {_tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        self.emit(f"if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
         # The fields in their order (the walk lists them in assignment order), all dicts'
         # keys in one list (a display: no call per dict): each dict holds its names (read
         # above), and the same total sequence then means the same keys in the same order in each.
         names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
-        self.emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
+        self.emit(f"if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
 
     def check_statics(self) -> None:
         """The statics: the very objects recorded, or of their types and values."""
@@ -416,7 +354,7 @@ class _FlattenEmitter:
         if not statics:
             return
         values = const(tuple(static_values), "SV")
-        self.emit(f" sv = {_tup(statics)}")
+        self.emit(f"sv = {tup(statics)}")
         # An identical object is the same static; anything else must match in type, and in
         # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
         # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
@@ -427,30 +365,30 @@ class _FlattenEmitter:
         checks = [f"tuple(map(type, sv)) != {types}"]
         if plain:
             pv = const(tuple(static_values[k] for k in plain), "PV")
-            checks.append(f"{_tup([statics[k] for k in plain])} != {pv}")
+            checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
         if bits:
             bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
-            checks.append(f"tuple(map(STRICT, {_tup([statics[k] for k in bits])})) != {bv}")
-        self.emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
+            checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
+        self.emit(f"if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
 
     def check_leaves(self, writes: bool) -> None:
         """The list ``out`` of the arrays; they are arrays and distinct (those outside state
         cells), or, for a write-back, the very arrays the call was given."""
         emit, state, num_leaves = self.emit, self.state, self.gdef.num_leaves
-        emit(f" out = [{', '.join(_segments(num_leaves, self.starts, self.ends, self.holders))}]")
+        emit(f"out = [{', '.join(_segments(num_leaves, self.starts, self.ends, self.holders))}]")
         if writes:  # the very arrays the call was given (distinct, of array types): nothing else
-            emit(" if any(map(is_not, out, INP)): raise M")
+            emit("if any(map(is_not, out, INP)): raise M")
             return
-        emit(" if not AT.issuperset(map(type, out)): raise M")
+        emit("if not AT.issuperset(map(type, out)): raise M")
         if any(state):  # the others distinct, and none of them below a cell too
             n_params = state.count(False)
             outside = self.const(bytes(not s for s in state), "OUT")
             inside = self.const(bytes(state), "IN")
-            emit(f" ids = set(map(id, compress(out, {outside})))")
-            emit(f" if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
-            emit("  raise M")
+            emit(f"ids = set(map(id, compress(out, {outside})))")
+            emit(f"if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
+            emit(" raise M")
         else:
-            emit(f" if len(set(map(id, out))) != {num_leaves}: raise M")
+            emit(f"if len(set(map(id, out))) != {num_leaves}: raise M")
 
     def check_nodes(self) -> None:
         """Distinct nodes stay distinct. Types are checked above, so objects of the two groups
@@ -461,12 +399,12 @@ class _FlattenEmitter:
         if self.looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
             total = len(tracked_nodes) + self.looped_nodes
             looped = ", ".join(["TN", *self.element_slices])
-            emit(f" if len(set(map(id, chain({_tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+            emit(f"if len(set(map(id, chain({tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
             return
         if len(by_identity) > 1:
-            emit(f" if len(set({_tup(by_identity)})) != {len(by_identity)}: raise M")
+            emit(f"if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
         if len(by_id) > 1:
-            emit(f" if len(set(map(id, {_tup(by_id)}))) != {len(by_id)}: raise M")
+            emit(f"if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
 
     # ------------------------------------------------ the function
 
@@ -503,17 +441,12 @@ class _FlattenEmitter:
                     setters[kind] = const(KINDS[kind].setter, "SET")
                 puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
         held_locals = list(dict.fromkeys(held_locals))
-        lines.append(f" return {_tup(held_locals)}")
+        lines.append(f" return {tup(held_locals)}")
         lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
-        lines += ["  return None", f" {_tup(held_locals)[1:-1]} = C"]
+        lines += ["  return None", f" {tup(held_locals)[1:-1]} = C"]
         lines += puts
         lines += [" return True", ""]
         return _compile("\n".join(lines), "write-back", self.ns, "guarded")
-
-
-def _tup(names: list[str]) -> str:
-    """A tuple display of ``names`` (``()`` for none, ``(x, )`` for one)."""
-    return "(" + "".join(f"{x}, " for x in names) + ")"
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
@@ -551,10 +484,8 @@ def compile_unflatten(
     if unflatten_lines(gdef) > max_lines:
         return None
     mutable, post = rebuild_order(gdef)
-    ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
-    ns["VF"], ns["G"] = view_failed, gdef
+    ns: dict[str, Any] = {**BUILD_NAMES, "VF": view_failed, "G": gdef}
     lines = ["def build(L, S):"]
-    emit = lines.append
     lay = layout(gdef)
     looped = {
         j
@@ -562,13 +493,14 @@ def compile_unflatten(
         for run in runs
         for j in range(run.first, run.first + run.count * run.nodes)
     }
-    const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
+    const = _constants(ns, "_")  # "_": apart from the plan's own names (n{j}, B{k}, ...)
+    code = Code(lines, " ", const)
 
     def ref(r: int) -> str:
         q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
         return _REF_EXPR[tag].format(q)
 
-    def args(refs: tuple, j: int = -1) -> str:
+    def args(refs: tuple, j: int) -> str:
         """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
         consecutive arrays as one slice of ``L``."""
         items: list[str] = []
@@ -582,7 +514,7 @@ def compile_unflatten(
                 continue
             r, e = refs[i], i + 1
             if r % TAGS == LEAF:  # consecutive arrays: references TAGS apart
-                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and (j < 0 or e not in starts):
+                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and e not in starts:
                     e += 1
             if e - i >= 4:
                 q = r // TAGS
@@ -590,51 +522,12 @@ def compile_unflatten(
             else:
                 items.extend(ref(x) for x in refs[i:e])
             i = e
-        return "(" + "".join(f"{x}, " for x in items) + ")"
+        return tup(items)
 
-    for j in mutable:
-        if j in looped:
-            continue
-        kind, meta, _ = records[j]
-        if kind == LIST:
-            emit(f" n{j} = []")
-        elif kind == DICT:
-            emit(f" n{j} = {{}}")
-        elif KINDS[kind].fields_in_dict or kind == SLOTS:
-            ns[f"T{j}"] = meta[0]
-            emit(f" n{j} = new(T{j})")
-        else:
-            ns[f"SH{j}"], ns[f"M{j}"] = KINDS[kind].shell, meta
-            emit(f" n{j} = SH{j}(M{j})")
-
-    def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
-        if kind == LIST:
-            emit(f" n{j}.extend({args(refs, j)})")
-        elif kind == DICT:
-            keys, order = meta
-            if len(refs) > 8 and all(type(k) is str for k in keys):
-                # The keys in the model's order first, from a dict made once (its table copied,
-                # no resizing as keys are added; a str's hash never changes), then the values.
-                ns[f"KD{j}"] = dict.fromkeys(keys if order is None else order)
-                emit(f" n{j}.update(KD{j})")
-            elif order is not None and j in lay.bulk:  # keys in the model's order, then values
-                ns[f"KI{j}"] = order
-                emit(f" n{j}.update(dict.fromkeys(KI{j}))")
-            elif order is not None:  # fill in the model's insertion order
-                position = {k: i for i, k in enumerate(keys)}
-                keys, refs = order, tuple(refs[position[k]] for k in order)
-            ns[f"K{j}"] = keys
-            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
-        elif KINDS[kind].fields_in_dict and plain_attributes(meta[0], meta[1]):
-            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
-                emit(f" n{j}.{name} = {ref(r)}")
-        elif KINDS[kind].fields_in_dict:
-            ns[f"N{j}"] = meta[1]
-            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
-        else:
-            ns[f"FL{j}"], ns[f"M{j}"] = KINDS[kind].fill, meta
-            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
-
+    for j in mutable:  # empty first: a cycle may pass through them
+        if j not in looped:
+            kind, meta, _ = records[j]
+            EMITTERS[kind].shell(code, f"n{j}", meta)
     # Children before parents: a mutable node is filled, an immutable one built, once
     # its children are complete (shells above stand in on a cycle).
     for j in post:
@@ -643,31 +536,15 @@ def compile_unflatten(
         kind, meta, refs = records[j]
         for run in lay.runs.get(j, ()):  # runs of identical layers: one loop each
             lines.extend(unflatten_loop(gdef, run, run.first, const))
+        emitter, y = EMITTERS[kind], f"n{j}"
         if kind in _MUTABLE:
             if refs:
-                fill(j, kind, meta, refs)
-        elif kind == TUPLE:
-            emit(f" n{j} = {args(refs, j)}")
-        elif kind == NAMEDTUPLE:
-            ns[f"T{j}"] = meta
-            emit(f" n{j} = T{j}(*{args(refs)})")
-        elif kind == PYTREE:
-            ns[f"P{j}"] = _pytree_def(meta, len(refs))
-            emit(f" n{j} = P{j}.unflatten({args(refs)})")
+                emitter.fill(code, y, meta, refs, partial(args, j=j), ref, bulk=j in lay.bulk)
         elif materialize and KINDS[kind].materializes:
-            ns[f"MZ{j}"], ns[f"M{j}"] = KINDS[kind].materialize, meta
-            emit(f" s{j} = {ref(refs[0])}")
-            emit(" try:")
-            emit(f"  n{j} = MZ{j}(M{j}, [s{j}])")
-            emit(" except Exception as e:")
-            emit(f"  raise VF(G, {j}, M{j}, s{j}, e) from e")
-        elif kind == VIEW:
-            ns[f"F{j}"] = meta
-            emit(f" n{j} = View({ref(refs[0])}, F{j})")
+            emitter.materialize(code, y, j, meta, ref(refs[0]))
         else:
-            ns[f"MK{j}"], ns[f"M{j}"] = KINDS[kind].make, meta
-            emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
+            emitter.make(code, y, meta, refs, partial(args, j=j), ref)
     if len(lines) > max_lines:
         return None
-    emit(f" return {ref(gdef.root)}")
+    code.emit(f"return {ref(gdef.root)}")
     return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")

@@ -23,14 +23,13 @@ only user is `_plan`, whose plans `_graph` checks against the walk.
 
 from __future__ import annotations
 
-import keyword
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..graphdef import GraphDef, untracked
-from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, TUPLE, _pytree_def
+from ..kinds import DICT, LIST, TUPLE
 from ..refs import LEAF, NODE, STATIC, TAGS, node_ref, split_ref
-from ..strict import _strict
+from .emit import CHECK_SAME, EMITTERS, LOOP_KINDS, Code, static_check, tup
 
 # Fewer elements than this are not worth a loop (straight lines are as short).
 LOOP_MIN = 4
@@ -42,13 +41,7 @@ MAX_ELEMENT_RECORDS = 512
 LOOP_PLACES = 1000
 # A list, tuple or dict of at least this many arrays seen there first is read in one statement.
 BULK_MIN = 8
-_OBJECTS = frozenset(k.index for k in KINDS if k.fields_in_dict)
-_BODY_KINDS = frozenset({LIST, DICT, TUPLE, NAMEDTUPLE, PYTREE}) | _OBJECTS
 _LOOP_BUG = "tied: an unflatten plan's loop built a wrong number of layers (a bug in tied; please report it)"
-# Statics whose == is exact: the same type and == mean the same value. Any other static that
-# is not the very object recorded is compared by its strict key (type and bits; identity
-# for the objects whose == is not trusted), as GraphDefs compare.
-EXACT_EQ = frozenset({str, int, bool, type(None)})
 
 
 class Run(NamedTuple):
@@ -216,7 +209,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
     sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
     for jj in range(j, ne):
         kind, _, refs = records[jj]
-        if kind not in _BODY_KINDS:
+        if kind not in LOOP_KINDS:
             return None
         if jj > j:
             outside_places += ext.refcount[jj]
@@ -314,29 +307,6 @@ def _run(gdef: GraphDef, ext: _Extents, parent: int, members: list[int], refs: t
     return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
 
 
-def static_check(s: str, value: Any, const: Callable[[Any, str], str]) -> str:
-    """A condition, true when the static read into ``s`` differs from ``value`` (type and bits)."""
-    sv, st = const(value, "SV"), const(type(value), "ST")
-    if type(value) not in EXACT_EQ:
-        return f"{s} is not {sv} and (type({s}) is not {st} or STRICT({s}) != {const(_strict(value), 'BV')})"
-    return f"{s} is not {sv} and (type({s}) is not {st} or {s} != {sv})"
-
-
-def plain_attributes(cls: type, names: tuple) -> bool:
-    """Whether ``obj.name = value`` on a fresh instance only stores into its ``__dict__``:
-    no custom ``__setattr__`` (frozen dataclasses have one), no descriptor of that name."""
-    if getattr(cls, "__setattr__", None) is not object.__setattr__:
-        return False
-    for name in names:
-        if not (isinstance(name, str) and name.isidentifier()) or keyword.iskeyword(name):
-            return False
-        if name.startswith("__"):
-            return False
-        if hasattr(type(getattr(cls, name, None)), "__set__"):
-            return False
-    return True
-
-
 # A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
 def flatten_loop(
     gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
@@ -354,7 +324,8 @@ def flatten_loop(
     j0, lo, hi = run.first, run.lo, run.lo + run.leaves
     lines = [f" R{k} = []", f" rx{k} = R{k}.extend", f" ra{k} = R{k}.append"]
     lines.append(f" for x_ in {seq}[{run.start}:{run.start + run.count}]:")
-    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    code = Code(lines, "  ", const, prefix="x")  # locals xc0, xd0...: apart from the plan's
+    emit = code.emit
     uses: dict[int, int] = {}
     for jj in range(j0, j0 + run.nodes):
         for tag, x in map(split_ref, records[jj][2]):
@@ -368,44 +339,7 @@ def flatten_loop(
     def enter(j: int, v: str) -> list:
         """Emit the checks of node ``j`` (in local ``v``); the expressions of its children."""
         kind, meta, refs = records[j]
-        n, rel = len(refs), j - j0
-        if kind in (LIST, TUPLE):
-            emit(f"if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
-            return [f"{v}[{i}]" for i in range(n)]
-        if kind == DICT:
-            keys, order = meta
-            ks = const(keys, "K")
-            ki = const(keys if order is None else order, "KI")
-            emit(f"if type({v}) is not dict or tuple({v}) != {ki}: raise M")
-            if all(type(key) is str for key in keys):
-                if n:
-                    emit(f"if not STR.issuperset(map(type, {v})): raise M")
-            else:
-                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
-                emit(f"if tuple(map(STRICT, {v})) != {sk}: raise M")
-            return [f"{v}[{ks}[{i}]]" for i in range(n)]
-        if kind == NAMEDTUPLE:
-            emit(f"if type({v}) is not {const(meta, 'T')} or len({v}) != {n}: raise M")
-            return [f"{v}[{i}]" for i in range(n)]
-        if kind == PYTREE:
-            emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
-            emit(f"xc{rel}, xa{rel} = FOL({v})")
-            aux, saux = const(meta[1], "AUX"), const(_strict(meta[1]), "SAUX")
-            emit(f"if len(xc{rel}) != {n} or not SAME(xa{rel}, {aux}, {saux}): raise M")
-            return [f"xc{rel}[{i}]" for i in range(n)]
-        # an attribute-holding node: its field names in order, then its values in one statement
-        emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
-        emit(f"xd{rel} = {v}.__dict__")
-        if not n:
-            emit(f"if xd{rel}: raise M")
-            return []
-        keys = [f"xk{rel}_{i}" for i in range(n)]
-        emit(f"{', '.join(keys)}, = xd{rel}")
-        names = [const(name, "FN") for name in meta[1]]
-        emit(f"if {' or '.join(f'{a} != {b}' for a, b in zip(keys, names))}: raise M")
-        values = [f"xv{rel}_{i}" for i in range(n)]
-        emit(f"{', '.join(values)}, = xd{rel}.values()")
-        return values
+        return EMITTERS[kind].read(code, v, meta, len(refs), str(j - j0))
 
     # The walk's order, depth first, so that arrays are collected in the order it numbers them.
     # A frame: [children's expressions, refs, next child, local, holds an own array that has
@@ -434,7 +368,7 @@ def flatten_loop(
             emit(f"if {static_check('xs', gdef.statics[x], const)}: raise M")
         elif tag == LEAF and lo <= x < hi:
             if x in bound:
-                emit(f"if {e} is not {bound[x]}: raise M")
+                emit(CHECK_SAME, expr=e, known=bound[x])
             elif uses[x] > 1:
                 bound[x] = f"xe{x - lo}"
                 emit(f"xe{x - lo} = {e}")
@@ -445,11 +379,11 @@ def flatten_loop(
             if run.unique[x - lo]:
                 frame[4] = True
         elif tag == LEAF:
-            emit(f"if {e} is not {leaf(x)}: raise M")
+            emit(CHECK_SAME, expr=e, known=leaf(x))
         elif not j0 <= x < j0 + run.nodes:
-            emit(f"if {e} is not n{x}: raise M")
+            emit(CHECK_SAME, expr=e, known=f"n{x}")
         elif x in names:
-            emit(f"if {e} is not {names[x]}: raise M")
+            emit(CHECK_SAME, expr=e, known=names[x])
         else:
             names[x] = f"xy{x - j0}"
             emit(f"xy{x - j0} = {e}")
@@ -478,6 +412,7 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
     else:
         lines.append(f" for _ in range({run.count}):")
     body: list[str] = []
+    code = Code(body, "  ", const)
     names: dict[int, str] = {}
 
     def ref(r: int) -> str:
@@ -487,6 +422,9 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
         if tag == STATIC:
             return f"sv{x - slo}"
         return names[x] if j0 <= x < j0 + run.nodes else f"n{x}"
+
+    def args(refs: tuple) -> str:
+        return tup([ref(r) for r in refs])
 
     # Post order (children first); the element has no cycle, so no shells are needed.
     stack: list[tuple[int, bool]] = [(j0, False)]
@@ -501,31 +439,6 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
             stack.extend((c, False) for c in reversed(inner) if c not in names)
             continue
         y = names[j] = f"yb{j - j0}"
-        args = "(" + "".join(f"{ref(r)}, " for r in refs) + ")"
-        if kind == LIST:
-            body.append(f"{y} = [{args[1:-1]}]")
-        elif kind == TUPLE:
-            body.append(f"{y} = {args}")
-        elif kind == DICT:
-            keys, order = meta
-            if order is not None:
-                position = {key: i for i, key in enumerate(keys)}
-                keys = order
-                args = "(" + "".join(f"{ref(refs[position[key]])}, " for key in order) + ")"
-            body.append(f"{y} = dict(zip({const(keys, 'K')}, {args}))")
-        elif kind == NAMEDTUPLE:
-            body.append(f"{y} = {const(meta, 'T')}(*{args})")
-        elif kind == PYTREE:
-            body.append(f"{y} = {const(_pytree_def(meta, len(refs)), 'P')}.unflatten({args})")
-        else:
-            body.append(f"{y} = new({const(meta[0], 'T')})")
-            if plain_attributes(meta[0], meta[1]):
-                body.extend(f"{y}.{name} = {ref(r)}" for name, r in zip(meta[1], refs))
-            else:
-                body.append(f"{y}.__dict__.update(zip({const(tuple(meta[1]), 'N')}, {args}))")
-    body.append(f"ba{k}(yb0)")
-    return (
-        lines
-        + ["  " + line for line in body]
-        + [f" if len(B{k}) != {run.count}: raise AssertionError({_LOOP_BUG!r})"]
-    )
+        EMITTERS[kind].whole(code, y, meta, refs, args, ref)
+    code.emit(f"ba{k}(yb0)")
+    return [*lines, *body, f" if len(B{k}) != {run.count}: raise AssertionError({_LOOP_BUG!r})"]
