@@ -45,7 +45,6 @@ from ..kinds import (
     KINDS,
     LIST,
     NAMEDTUPLE,
-    OBJ,
     TUPLE,
 )
 from ..refs import LEAF, NODE, STATIC, TAGS
@@ -87,6 +86,55 @@ MAX_PLAN_LINES = 8000
 # lines (some 12,000 such modules, under 300 MB); beyond, always the walk.
 LARGE_PLAN_SIGHTINGS = 32
 MAX_LARGE_PLAN_LINES = 60_000
+
+
+# ---------------------------------------------------------------- templates: a plan's own lines
+# (the lines of each kind of node are `emit.py`'s). A flatten plan is ``plan(root)``: every
+# place read into a local, then these checks of what the walk established; ``guarded`` turns
+# a miss into None.
+
+CHECK_OBJECT_TYPES = "if tuple(map(type, {nodes})) != {types}: raise M"
+CHECK_OBJECT_FIELDS = "if [{dicts}] != {names}: raise M"
+READ_STATICS = "sv = {statics}"
+CHECK_STATICS = "if any(map(is_not, sv, {values})) and ({unequal}): raise M"
+STATIC_TYPES = "tuple(map(type, sv)) != {types}"
+STATIC_VALUES = "{statics} != {values}"
+STATIC_KEYS = "tuple(map(STRICT, {statics})) != {keys}"
+LEAVES = "out = [{items}]"
+CHECK_GIVEN = "if any(map(is_not, out, INP)): raise M"
+CHECK_ARRAYS = "if not AT.issuperset(map(type, out)): raise M"
+CHECK_DISTINCT = "if len(set(map(id, out))) != {n}: raise M"
+CHECK_DISTINCT_OUTSIDE_CELLS = """\
+ids = set(map(id, compress(out, {outside})))
+if len(ids) != {n} or not ids.isdisjoint(map(id, compress(out, {inside}))):
+ raise M"""
+CHECK_NODES_AND_LOOPED = "if len(set(map(id, chain({nodes}, {looped})))) != {n}: raise M"
+CHECK_NODES_HASHED = "if len(set({nodes})) != {n}: raise M"
+CHECK_NODES_BY_ID = "if len(set(map(id, {nodes}))) != {n}: raise M"
+GUARDED = """\
+ return out
+def guarded(root):
+ try:
+  return plan(root)
+ except FAIL:
+  return None
+"""
+# A write-back plan: ``plan(root, INP)`` reads and checks, handing out the containers the
+# writes go through; ``guarded`` makes the writes once every check has passed.
+WRITE_BACK = """\
+ return {held}
+def guarded(root, INP, V):
+ try:
+  C = plan(root, INP)
+ except FAIL:
+  return None
+ {unpacked} = C
+{puts}
+ return True
+"""
+# An unflatten plan: ``build(L, S)`` from the leaves and the statics.
+BUILD = "def build(L, S):"
+RETURN = "return {root}"
 
 
 def plan_bound(sightings: int) -> int:
@@ -341,12 +389,12 @@ class _FlattenEmitter:
         if not objects:
             return
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
-        self.emit(f"if tuple(map(type, {tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        self.emit(CHECK_OBJECT_TYPES, nodes=tup([v for v, _, _, _ in objects]), types=types)
         # The fields in their order (the walk lists them in assignment order), all dicts'
         # keys in one list (a display: no call per dict): each dict holds its names (read
         # above), and the same total sequence then means the same keys in the same order in each.
         names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
-        self.emit(f"if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
+        self.emit(CHECK_OBJECT_FIELDS, dicts=", ".join(f"*{d}" for _, d, _, _ in objects), names=names)
 
     def check_statics(self) -> None:
         """The statics: the very objects recorded, or of their types and values."""
@@ -354,7 +402,7 @@ class _FlattenEmitter:
         if not statics:
             return
         values = const(tuple(static_values), "SV")
-        self.emit(f"sv = {tup(statics)}")
+        self.emit(READ_STATICS, statics=tup(statics))
         # An identical object is the same static; anything else must match in type, and in
         # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
         # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
@@ -362,33 +410,31 @@ class _FlattenEmitter:
         types = const(tuple(type(x) for x in static_values), "ST")
         plain = [k for k, x in enumerate(static_values) if type(x) in EXACT_EQ]
         bits = [k for k in range(len(static_values)) if k not in set(plain)]
-        checks = [f"tuple(map(type, sv)) != {types}"]
+        checks = [STATIC_TYPES.format(types=types)]
         if plain:
             pv = const(tuple(static_values[k] for k in plain), "PV")
-            checks.append(f"{tup([statics[k] for k in plain])} != {pv}")
+            checks.append(STATIC_VALUES.format(statics=tup([statics[k] for k in plain]), values=pv))
         if bits:
             bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
-            checks.append(f"tuple(map(STRICT, {tup([statics[k] for k in bits])})) != {bv}")
-        self.emit(f"if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
+            checks.append(STATIC_KEYS.format(statics=tup([statics[k] for k in bits]), keys=bv))
+        self.emit(CHECK_STATICS, values=values, unequal=" or ".join(checks))
 
     def check_leaves(self, writes: bool) -> None:
         """The list ``out`` of the arrays; they are arrays and distinct (those outside state
         cells), or, for a write-back, the very arrays the call was given."""
         emit, state, num_leaves = self.emit, self.state, self.gdef.num_leaves
-        emit(f"out = [{', '.join(_segments(num_leaves, self.starts, self.ends, self.holders))}]")
+        emit(LEAVES, items=", ".join(_segments(num_leaves, self.starts, self.ends, self.holders)))
         if writes:  # the very arrays the call was given (distinct, of array types): nothing else
-            emit("if any(map(is_not, out, INP)): raise M")
+            emit(CHECK_GIVEN)
             return
-        emit("if not AT.issuperset(map(type, out)): raise M")
+        emit(CHECK_ARRAYS)
         if any(state):  # the others distinct, and none of them below a cell too
             n_params = state.count(False)
             outside = self.const(bytes(not s for s in state), "OUT")
             inside = self.const(bytes(state), "IN")
-            emit(f"ids = set(map(id, compress(out, {outside})))")
-            emit(f"if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
-            emit(" raise M")
+            emit(CHECK_DISTINCT_OUTSIDE_CELLS, outside=outside, n=n_params, inside=inside)
         else:
-            emit(f"if len(set(map(id, out))) != {num_leaves}: raise M")
+            emit(CHECK_DISTINCT, n=num_leaves)
 
     def check_nodes(self) -> None:
         """Distinct nodes stay distinct. Types are checked above, so objects of the two groups
@@ -399,54 +445,36 @@ class _FlattenEmitter:
         if self.looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
             total = len(tracked_nodes) + self.looped_nodes
             looped = ", ".join(["TN", *self.element_slices])
-            emit(f"if len(set(map(id, chain({tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+            emit(CHECK_NODES_AND_LOOPED, nodes=tup(by_identity + by_id), looped=looped, n=total)
             return
         if len(by_identity) > 1:
-            emit(f"if len(set({tup(by_identity)})) != {len(by_identity)}: raise M")
+            emit(CHECK_NODES_HASHED, nodes=tup(by_identity), n=len(by_identity))
         if len(by_id) > 1:
-            emit(f"if len(set(map(id, {tup(by_id)}))) != {len(by_id)}: raise M")
+            emit(CHECK_NODES_BY_ID, nodes=tup(by_id), n=len(by_id))
 
     # ------------------------------------------------ the function
 
     def guarded(self) -> Callable[..., Any]:
         """The flatten plan: the list of arrays, or None at the first difference."""
-        lines = self.lines
-        lines.append(" return out")
-        lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
-        return _compile("\n".join(lines), "flatten", self.ns, "guarded")
+        return _compile("\n".join(self.lines) + "\n" + GUARDED, "flatten", self.ns, "guarded")
 
     def write_back(self, writes: tuple) -> Callable[..., Any] | None:
         """The write-back: the reading and checks, then the ``writes`` (None where a written
         container is read in a loop). The writes run once every check has passed, outside the
         guard: a setter that raises (a state cell refusing its value) is an error, never a
         miss after half a write."""
-        lines, const, records = self.lines, self.const, self.records
-        lines[0] = "def plan(root, INP):"
-        held_locals: list[str] = []
+        self.lines[0] = "def plan(root, INP):"
         puts: list[str] = []
-        setters: dict[int, str] = {}
+        code = Code(puts, " ", self.const)
+        held: list[str] = []
         for n, j, i in writes:
             if j not in self.seen_node:  # read in a loop: no local holds it
                 return None
-            kind, meta, _ = records[j]
-            by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
-            if kind in (LIST, DICT) or by_dict:
-                # its reading expression is the item its setter assigns (a list's, a dict's, a
-                # __dict__'s: a registered class and a state cell write there)
-                held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
-                puts.append(f" {self.child_expr[j][i]} = V[{n}]")
-            else:  # the kind's own setter (a state cell checks its value)
-                held_locals.append(f"n{j}")
-                if kind not in setters:
-                    setters[kind] = const(KINDS[kind].setter, "SET")
-                puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
-        held_locals = list(dict.fromkeys(held_locals))
-        lines.append(f" return {tup(held_locals)}")
-        lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
-        lines += ["  return None", f" {tup(held_locals)[1:-1]} = C"]
-        lines += puts
-        lines += [" return True", ""]
-        return _compile("\n".join(lines), "write-back", self.ns, "guarded")
+            kind, meta, _ = self.records[j]
+            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, n))
+        held = tup(list(dict.fromkeys(held)))
+        source = WRITE_BACK.format(held=held, unpacked=held[1:-1], puts="\n".join(puts))
+        return _compile("\n".join(self.lines) + "\n" + source, "write-back", self.ns, "guarded")
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
@@ -485,7 +513,7 @@ def compile_unflatten(
         return None
     mutable, post = rebuild_order(gdef)
     ns: dict[str, Any] = {**BUILD_NAMES, "VF": view_failed, "G": gdef}
-    lines = ["def build(L, S):"]
+    lines = [BUILD]
     lay = layout(gdef)
     looped = {
         j
@@ -546,5 +574,5 @@ def compile_unflatten(
             emitter.make(code, y, meta, refs, partial(args, j=j), ref)
     if len(lines) > max_lines:
         return None
-    code.emit(f"return {ref(gdef.root)}")
+    code.emit(RETURN, root=ref(gdef.root))
     return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")

@@ -22,7 +22,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, SLOTS, TUPLE, VIEW, _pytree_def, _registry
+from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, OBJ, PYTREE, SLOTS, TUPLE, VIEW, _pytree_def, _registry
 from ..strict import _same_strict, _strict
 from ..view import View
 
@@ -58,6 +58,11 @@ CHECK_NO_FIELDS = "if {d}: raise M"
 UNPACK_FIELDS = "{targets}, = {d}"
 CHECK_FIELDS = "if {unequal}: raise M"
 UNPACK_VALUES = "{targets}, = {d}.values()"
+
+# ---------------------------------------------------------------- templates: writing a node's child
+# (a write-back plan: the n-th new value ``V[{n}]`` put at a place read before)
+PUT_ITEM = "{child} = V[{n}]"  # the place's reading expression is the item its setter assigns
+PUT_BY_SETTER = "{setter}({meta}, {v}, {i})(V[{n}])"  # the kind's own setter (a cell checks)
 
 # ---------------------------------------------------------------- templates: a static at its place
 STATIC_EXACT = "{s} is not {value} and (type({s}) is not {type} or {s} != {value})"
@@ -126,6 +131,7 @@ class Code:
     ) -> None:
         self.lines, self.indent, self.const, self.prefix = lines, indent, const, prefix
         self.objects: list[tuple[str, str, Any, tuple]] | None = None
+        self._once: dict = {}
 
     def emit(self, template: str, **fields: Any) -> None:
         """The lines of ``template`` filled with ``fields``, at this body's indent."""
@@ -134,6 +140,14 @@ class Code:
 
     def local(self, name: str, at: str) -> str:
         return f"{self.prefix}{name}{at}"
+
+    def once(self, key: Any, value: Any, prefix: str) -> str:
+        """``const``, binding ``value`` once in this body for each ``key`` (a kind's function
+        used at many places)."""
+        name = self._once.get(key)
+        if name is None:
+            name = self._once[key] = self.const(value, prefix)
+        return name
 
 
 def tup(items: list[str]) -> str:
@@ -208,6 +222,13 @@ class Emitter:
         """A node built at once, its children made before (no cycle passes through it)."""
         self.make(code, y, meta, refs, args, ref)
 
+    def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, n: int) -> str:
+        """Emit the write of new value ``n`` at child ``i`` (read as ``child``) of the node in
+        local ``v``; return the local the write goes through (the plan hands it out)."""
+        setter = code.once(("setter", self.kind.index), self.kind.setter, "SET")
+        code.emit(PUT_BY_SETTER, setter=setter, meta=code.const(meta, "MT"), v=v, i=i, n=n)
+        return v
+
     def materialize(self, code: Code, y: str, j: int, meta: Any, source: str) -> None:
         """Node ``j`` computed from its source (``unflatten(..., materialize=True)``), a failure
         named by `view_failed` (``VF``, the GraphDef in ``G``)."""
@@ -241,6 +262,12 @@ class _Sequence(Emitter):
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
         code.emit(FILL_LIST, y=y, args=args(refs))
 
+    def put(self, code, v, at, child, meta, i, n):
+        if not self.kind.mutable:
+            return super().put(code, v, at, child, meta, i, n)
+        code.emit(PUT_ITEM, child=child, n=n)
+        return v
+
     def make(self, code, y, meta, refs, args, ref):
         code.emit(BUILD_TUPLE, y=y, args=args(refs))
 
@@ -272,6 +299,10 @@ class _Dict(Emitter):
 
     def shell(self, code, y, meta):
         code.emit(SHELL_DICT, y=y)
+
+    def put(self, code, v, at, child, meta, i, n):
+        code.emit(PUT_ITEM, child=child, n=n)
+        return v
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
         keys, order = meta
@@ -337,6 +368,12 @@ class _Object(Emitter):
 
     def shell(self, code, y, meta):
         code.emit(SHELL_OBJECT, y=y, type=code.const(meta[0], "T"))
+
+    def put(self, code, v, at, child, meta, i, n):
+        if type(self.kind).setter is not type(KINDS[OBJ]).setter:  # its own (a state cell's)
+            return super().put(code, v, at, child, meta, i, n)
+        code.emit(PUT_ITEM, child=child, n=n)  # an item of its __dict__, read in d{at}
+        return code.local("d", at)
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
         if plain_attributes(meta[0], meta[1]):

@@ -307,6 +307,36 @@ def _run(gdef: GraphDef, ext: _Extents, parent: int, members: list[int], refs: t
     return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
 
 
+# ---------------------------------------------------------------- templates: a loop's own lines
+# (the lines of each kind of node in its body are `emit.py`'s)
+
+# Reading: the arrays first seen in the elements collected into R{k}, in walk order; the nodes
+# that only their identity tells apart into TN (checked distinct with the plan's others).
+READ_LOOP = """\
+R{k} = []
+rx{k} = R{k}.extend
+ra{k} = R{k}.append
+for x_ in {seq}[{start}:{end}]:"""
+READ_STATIC = """\
+xs = {expr}
+if {unequal}: raise M"""
+BIND = "{local} = {expr}"
+COLLECT_ONE = "ra{k}({item})"
+COLLECT = "rx{k}({items})"
+COLLECT_NODES = "tn({items})"
+# Building: the elements into B{k}, each from its own arrays and statics (strided slices).
+BUILD_LOOP = """\
+B{k} = []
+ba{k} = B{k}.append
+for {targets}, in zip({slices}, strict=True):"""
+BUILD_LOOP_BARE = """\
+B{k} = []
+ba{k} = B{k}.append
+for _ in range({count}):"""
+BUILT = "ba{k}(yb0)"
+CHECK_BUILT = "if len(B{k}) != {count}: raise AssertionError({bug!r})"
+
+
 # A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
 def flatten_loop(
     gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
@@ -322,8 +352,8 @@ def flatten_loop(
     check fails. A node without one is checked by identity."""
     records = gdef.records
     j0, lo, hi = run.first, run.lo, run.lo + run.leaves
-    lines = [f" R{k} = []", f" rx{k} = R{k}.extend", f" ra{k} = R{k}.append"]
-    lines.append(f" for x_ in {seq}[{run.start}:{run.start + run.count}]:")
+    lines: list[str] = []
+    Code(lines, " ", const).emit(READ_LOOP, k=k, seq=seq, start=run.start, end=run.start + run.count)
     code = Code(lines, "  ", const, prefix="x")  # locals xc0, xd0...: apart from the plan's
     emit = code.emit
     uses: dict[int, int] = {}
@@ -364,14 +394,13 @@ def flatten_loop(
         e = exprs[i]
         tag, x = split_ref(refs[i])
         if tag == STATIC:
-            emit(f"xs = {e}")
-            emit(f"if {static_check('xs', gdef.statics[x], const)}: raise M")
+            emit(READ_STATIC, expr=e, unequal=static_check("xs", gdef.statics[x], const))
         elif tag == LEAF and lo <= x < hi:
             if x in bound:
                 emit(CHECK_SAME, expr=e, known=bound[x])
             elif uses[x] > 1:
                 bound[x] = f"xe{x - lo}"
-                emit(f"xe{x - lo} = {e}")
+                emit(BIND, local=bound[x], expr=e)
                 new.append(f"xe{x - lo}")
             else:
                 bound[x] = e
@@ -386,14 +415,14 @@ def flatten_loop(
             emit(CHECK_SAME, expr=e, known=names[x])
         else:
             names[x] = f"xy{x - j0}"
-            emit(f"xy{x - j0} = {e}")
+            emit(BIND, local=names[x], expr=e)
             stack.append([enter(x, names[x]), records[x][2], 0, names[x], False, x])
     if len(new) == 1:
-        emit(f"ra{k}({new[0]})")
+        emit(COLLECT_ONE, k=k, item=new[0])
     elif new:
-        emit(f"rx{k}(({''.join(f'{e}, ' for e in new)}))")
+        emit(COLLECT, k=k, items=tup(new))
     if tracked:
-        emit(f"tn(({''.join(f'{e}, ' for e in tracked)}))")
+        emit(COLLECT_NODES, items=tup(tracked))
     return lines, len(tracked), not top[4]
 
 
@@ -405,14 +434,14 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
     # Each element's own arrays and statics: one strided slice per position in the element.
     own = [f"L[{lo + i}:{lo + i + run.count * run.leaves}:{run.leaves}]" for i in range(run.leaves)]
     own += [f"S[{slo + i}:{slo + i + run.count * run.statics}:{run.statics}]" for i in range(run.statics)]
-    lines = [f" B{k} = []", f" ba{k} = B{k}.append"]
+    lines: list[str] = []
+    head = Code(lines, " ", const)
     if own:
         targets = [f"lv{i}" for i in range(run.leaves)] + [f"sv{i}" for i in range(run.statics)]
-        lines.append(f" for {', '.join(targets)}, in zip({', '.join(own)}, strict=True):")
+        head.emit(BUILD_LOOP, k=k, targets=", ".join(targets), slices=", ".join(own))
     else:
-        lines.append(f" for _ in range({run.count}):")
-    body: list[str] = []
-    code = Code(body, "  ", const)
+        head.emit(BUILD_LOOP_BARE, k=k, count=run.count)
+    code = Code(lines, "  ", const)
     names: dict[int, str] = {}
 
     def ref(r: int) -> str:
@@ -440,5 +469,6 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
             continue
         y = names[j] = f"yb{j - j0}"
         EMITTERS[kind].whole(code, y, meta, refs, args, ref)
-    code.emit(f"ba{k}(yb0)")
-    return [*lines, *body, f" if len(B{k}) != {run.count}: raise AssertionError({_LOOP_BUG!r})"]
+    code.emit(BUILT, k=k)
+    head.emit(CHECK_BUILT, k=k, count=run.count, bug=_LOOP_BUG)
+    return lines
