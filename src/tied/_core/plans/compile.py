@@ -1,6 +1,6 @@
 """Compiled plans: straight-line Python for one GraphDef's flatten and unflatten.
 
-The generic walk in `_graph` dispatches on every object it meets. Once a
+The generic walk in `graph.py` dispatches on every object it meets. Once a
 structure has been seen twice, we generate code that does exactly that
 structure's work: for flatten, a *guarded* plan that checks every fact the walk
 would have established (each node's type, arity, keys and their order, each
@@ -17,13 +17,14 @@ up to `MAX_PLAN_LINES`, and a larger one (up to `MAX_LARGE_PLAN_LINES`) only
 once it has been seen `LARGE_PLAN_SIGHTINGS` times, when the walks it has cost
 already match the compile (a rent-or-buy rule: a one-off never stalls on a
 compile, a training loop over a huge graph gets its plan after a few steps). With
-``TIED_CHECK_PLANS=1`` (the test suite sets it) `_graph` checks every plan
+``TIED_CHECK_PLANS=1`` (the test suite sets it) `graph` checks every plan
 against the plain walk.
 
 This file decides nothing about sharing: it replays decisions recorded in a
-GraphDef by the walk. It imports only the core below it (`_kinds`, `_classify`,
-`_graphdef`); `_graph` calls it. A kind with no faster emission here is handled
-through its own ``children``, ``make``, ``shell`` and ``fill``.
+GraphDef by the walk. It imports only the core below it (`kinds`, `classify`,
+`graphdef`) and the other plan modules; `graph` calls it. The lines of each kind of
+node come from its emitter (`emit.py`, shared with the loop bodies of `loops.py`);
+the lines of the plan itself from the templates below.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class _FlattenEmitter:
         self.ends: list[int] = []
         self.holders: list[str] = []
         # A node read by key or index (not through a call) that holds an array no other record
-        # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
+        # holds needs no identity check (as in loops, see loops.flatten_loop): were it another
         # node's object, the other's child at that key (read too: every record's children are)
         # would be that array, which the GraphDef puts there for no other record, so the arrays'
         # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
@@ -298,7 +299,7 @@ class _FlattenEmitter:
         a node with its kind's checks, a later place of either by identity."""
         emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
         run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
-        if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
+        if run_at:  # nodes read in loops whose identity must be checked (see loops.flatten_loop)
             emit("TN = []")
             emit("tn = TN.extend")
         skip = 0

@@ -2,10 +2,11 @@
 
 Both generators write through this file: the straight-line plans of `compile.py` and the loop
 bodies of `loops.py` (one element of a run of identical layers). For every kind of node there
-is one emitter (`emitter(kind)`), and every line it writes comes from a named template below,
-so a kind's code is written once, whichever generator asks for it. A kind with no emitter of
-its own gets `_ByKind`, which reads and builds it through its own ``children``, ``make``,
-``shell`` and ``fill`` (a new kind is one entry in `kinds.KINDS`, and it works here unchanged).
+is one emitter (``EMITTERS[kind]``), and every line it writes comes from a named template
+below, so a kind's code is written once, whichever generator asks for it. A kind with no
+emitter of its own gets the base `Emitter`, which reads and builds it through its own
+``children``, ``make``, ``shell``, ``fill`` and ``setter`` (a new kind is one entry in
+`kinds.KINDS`, and it works here unchanged).
 
 The generators differ only in where the code goes and what it is called: a `Code` is one
 function body being written (its lines, its indent, how its constants are bound in the
@@ -139,6 +140,7 @@ class Code:
         self.lines.extend(self.indent + line for line in text.split("\n"))
 
     def local(self, name: str, at: str) -> str:
+        """The name of an emitter's local ``name`` for the node ``at`` names."""
         return f"{self.prefix}{name}{at}"
 
     def once(self, key: Any, value: Any, prefix: str) -> str:

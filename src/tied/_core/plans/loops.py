@@ -7,7 +7,8 @@ embedding). A straight-line plan spends a line per place, and compiling Python
 costs far more per line than walking a place, so such plans had to be bounded.
 Here we find, in a GraphDef, the runs of consecutive children of a list or a tuple
 whose subtrees are the same up to where their arrays and statics are numbered;
-`_plan` then emits one loop per run, its body one element's code. A plan's size is
+`compile.py` then emits one loop per run, its body one element's code, each node's lines
+written by its kind's emitter (`emit.py`, as in straight-line plans). A plan's size is
 then that of the model's distinct layouts, not of its depth.
 
 An element joins a run only if its subtree is *closed* (no node inside it has a
@@ -18,7 +19,7 @@ and nodes from outside: those are references by absolute index, equal in every
 element of a run.
 
 This module decides nothing about sharing: it reads what a GraphDef records. Its
-only user is `_plan`, whose plans `_graph` checks against the walk.
+only user is `compile.py`, whose plans `graph` checks against the walk.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Run(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """What `_plan` needs of a GraphDef's repeats: its runs, by parent, and its bulk nodes."""
+    """What `compile.py` needs of a GraphDef's repeats: its runs, by parent, and its bulk nodes."""
 
     runs: dict[int, tuple[Run, ...]]
     bulk: frozenset  # lists, tuples and dicts whose children are all arrays seen there first
@@ -337,7 +338,7 @@ BUILT = "ba{k}(yb0)"
 CHECK_BUILT = "if len(B{k}) != {count}: raise AssertionError({bug!r})"
 
 
-# A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
+# A generated-code emitter (as `compile.compile_flatten`): one element's reading, each node by its emitter.
 def flatten_loop(
     gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
 ) -> tuple[list[str], int, bool]:
@@ -426,7 +427,8 @@ def flatten_loop(
     return lines, len(tracked), not top[4]
 
 
-# A generated-code emitter (as `_plan.compile_unflatten`): one element's construction, per kind.
+# A generated-code emitter (as `compile.compile_unflatten`): one element's construction, each node by
+# its emitter.
 def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str], str]) -> list[str]:
     """Lines building the elements of ``run`` into the list ``B{k}``, in order."""
     records = gdef.records
