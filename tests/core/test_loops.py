@@ -13,6 +13,8 @@ Loops are used for graphs of more than `_loops.LOOP_PLACES` places; the fixture
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -469,3 +471,36 @@ def test_statics_equal_by_eq_but_rebuilt_differently_are_different_statics(first
     assert gdef != _graph._walk(m1)[1]
     rebuilt = tied.unflatten(gdef, leaves).b
     assert rebuilt is second
+
+
+# ---------------------------------------------------------------- one emitter per kind (plans/emit.py)
+
+
+def _dict_checks(src: str) -> set[str]:
+    """The lines that check a dict, its locals and constants renamed alike."""
+    lines = {line.strip() for line in src.splitlines() if "is not dict" in line}
+    return {re.sub(r"\b(?:n\d+|x_|xy\d+)\b", "D", re.sub(r"\bKI\d+\b", "KI", line)) for line in lines}
+
+
+@pytest.mark.parametrize("with_loops", [True, False])
+def test_a_dict_is_read_alike_in_straight_plans_and_loop_bodies_and_an_equal_str_subclass_key_is_seen(
+    monkeypatch, with_loops
+):
+    # one emitter writes a kind's lines for both generators: a run of dicts read by a loop is
+    # checked by the line a straight-line plan checks a dict with, and both give up on a key
+    # that equals the recorded one but is a str subclass (the walk keeps its type)
+    monkeypatch.setattr(_loops, "LOOP_PLACES", 0 if with_loops else 10**9)
+    _graph._clear_plans()
+    model = [{"w": jnp.full((2,), float(i)), "s": "tanh"} for i in range(6)]
+    _, gdef = agree(model)
+    src = gdef.memo.flatten_plan.__tied_source__
+    assert ("for x_ in" in src) is with_loops
+    assert _dict_checks(src) == {
+        "if type(D) is not dict or len(D) != 2 or (not all(map(is_, D, KI)) and "
+        "(tuple(D) != KI or not STR.issuperset(map(type, D)))): raise M"
+    }
+    model[3] = {Tag("w"): model[3]["w"], "s": "tanh"}
+    leaves, new = tied.flatten(model)
+    assert new != gdef and new == _graph._walk(model)[1]
+    assert type(next(iter(tied.unflatten(new, leaves)[3]))) is Tag
+    _graph._clear_plans()

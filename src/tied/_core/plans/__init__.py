@@ -1,6 +1,7 @@
 """Compiled plans: generated flatten, unflatten and write-back functions for a structure seen twice,
-guarded so that a graph of another structure makes them give up (`compile.py`), and the loops over
-runs of identical layers that keep a plan's size that of the model's distinct layouts (`loops.py`).
+guarded so that a graph of another structure makes them give up (`compile.py`), the loops over
+runs of identical layers that keep a plan's size that of the model's distinct layouts (`loops.py`),
+and the one emitter per node kind whose named templates both write (`emit.py`). See README.md.
 """
 
 from .compile import (

@@ -1,6 +1,6 @@
 """Compiled plans: straight-line Python for one GraphDef's flatten and unflatten.
 
-The generic walk in `_graph` dispatches on every object it meets. Once a
+The generic walk in `graph.py` dispatches on every object it meets. Once a
 structure has been seen twice, we generate code that does exactly that
 structure's work: for flatten, a *guarded* plan that checks every fact the walk
 would have established (each node's type, arity, keys and their order, each
@@ -17,13 +17,14 @@ up to `MAX_PLAN_LINES`, and a larger one (up to `MAX_LARGE_PLAN_LINES`) only
 once it has been seen `LARGE_PLAN_SIGHTINGS` times, when the walks it has cost
 already match the compile (a rent-or-buy rule: a one-off never stalls on a
 compile, a training loop over a huge graph gets its plan after a few steps). With
-``TIED_CHECK_PLANS=1`` (the test suite sets it) `_graph` checks every plan
+``TIED_CHECK_PLANS=1`` (the test suite sets it) `graph` checks every plan
 against the plain walk.
 
 This file decides nothing about sharing: it replays decisions recorded in a
-GraphDef by the walk. It imports only the core below it (`_kinds`, `_classify`,
-`_graphdef`); `_graph` calls it. A kind with no faster emission here is handled
-through its own ``children``, ``make``, ``shell`` and ``fill``.
+GraphDef by the walk. It imports only the core below it (`kinds`, `classify`,
+`graphdef`) and the other plan modules; `graph` calls it. The lines of each kind of
+node come from its emitter (`emit.py`, shared with the loop bodies of `loops.py`);
+the lines of the plan itself from the templates below.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import itertools
 import linecache
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..classify import _STATIC, _array_types, _type_cache
@@ -44,26 +46,29 @@ from ..kinds import (
     KINDS,
     LIST,
     NAMEDTUPLE,
-    OBJ,
-    PYTREE,
-    SLOTS,
     TUPLE,
-    VIEW,
-    _pytree_def,
-    _registry,
 )
-from ..refs import LEAF, NODE, STATIC, TAGS, split_ref
-from ..strict import _same_strict, _strict
-from ..view import View
-from .loops import (
+from ..refs import LEAF, NODE, STATIC, TAGS
+from ..strict import _strict
+from .emit import (
+    BUILD_NAMES,
+    CHECK_ALL_SAME,
+    CHECK_SAME,
+    EMITTERS,
     EXACT_EQ,
+    READ_NAMES,
+    UNPACK,
+    Code,
+    Miss,
+    tup,
+)
+from .loops import (
     Layout,
     Run,
     flatten_lines,
     flatten_loop,
     layout,
     layout_and_order,
-    plain_attributes,
     unflatten_lines,
     unflatten_loop,
     walk_order,
@@ -84,18 +89,63 @@ LARGE_PLAN_SIGHTINGS = 32
 MAX_LARGE_PLAN_LINES = 60_000
 
 
+# ---------------------------------------------------------------- templates: a plan's own lines
+# (the lines of each kind of node are `emit.py`'s). A flatten plan is ``plan(root)``: every
+# place read into a local, then these checks of what the walk established; ``guarded`` turns
+# a miss into None.
+
+CHECK_OBJECT_TYPES = "if tuple(map(type, {nodes})) != {types}: raise M"
+CHECK_OBJECT_FIELDS = "if [{dicts}] != {names}: raise M"
+READ_STATICS = "sv = {statics}"
+CHECK_STATICS = "if any(map(is_not, sv, {values})) and ({unequal}): raise M"
+STATIC_TYPES = "tuple(map(type, sv)) != {types}"
+STATIC_VALUES = "{statics} != {values}"
+STATIC_KEYS = "tuple(map(STRICT, {statics})) != {keys}"
+LEAVES = "out = [{items}]"
+CHECK_GIVEN = "if any(map(is_not, out, INP)): raise M"
+CHECK_ARRAYS = "if not AT.issuperset(map(type, out)): raise M"
+CHECK_DISTINCT = "if len(set(map(id, out))) != {n}: raise M"
+CHECK_DISTINCT_OUTSIDE_CELLS = """\
+ids = set(map(id, compress(out, {outside})))
+if len(ids) != {n} or not ids.isdisjoint(map(id, compress(out, {inside}))):
+ raise M"""
+CHECK_NODES_AND_LOOPED = "if len(set(map(id, chain({nodes}, {looped})))) != {n}: raise M"
+CHECK_NODES_HASHED = "if len(set({nodes})) != {n}: raise M"
+CHECK_NODES_BY_ID = "if len(set(map(id, {nodes}))) != {n}: raise M"
+GUARDED = """\
+ return out
+def guarded(root):
+ try:
+  return plan(root)
+ except FAIL:
+  return None
+"""
+# A write-back plan: ``plan(root, INP)`` reads and checks, handing out the containers the
+# writes go through; ``guarded`` makes the writes once every check has passed.
+WRITE_BACK = """\
+ return {held}
+def guarded(root, INP, V):
+ try:
+  C = plan(root, INP)
+ except FAIL:
+  return None
+ {unpacked} = C
+{puts}
+ return True
+"""
+# An unflatten plan: ``build(L, S)`` from the leaves and the statics.
+BUILD = "def build(L, S):"
+RETURN = "return {root}"
+
+
 def plan_bound(sightings: int) -> int:
     """The most generated lines worth compiling for a structure seen ``sightings`` times."""
     return MAX_LARGE_PLAN_LINES if sightings >= LARGE_PLAN_SIGHTINGS else MAX_PLAN_LINES
 
 
-class _Miss(Exception):
-    """The graph differs from the plan's GraphDef."""
-
-
 # What reading a changed graph with an old plan can raise (a missing key or
 # attribute, indexing the wrong type); anything else is a bug and propagates.
-_FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, _Miss)
+_FAIL = (KeyError, AttributeError, TypeError, IndexError, ValueError, Miss)
 
 _counter = itertools.count()
 
@@ -191,17 +241,13 @@ class _FlattenEmitter:
 
     def __init__(self, gdef: GraphDef, lay: Layout) -> None:
         self.gdef, self.lay, self.records = gdef, lay, gdef.records
-        ns: dict[str, Any] = {"AT": _array_types, "M": _Miss, "View": View, "STRICT": _strict}
-        ns["SAME"] = _same_strict
-        ns["is_"], ns["is_not"] = operator.is_, operator.is_not
-        ns["FOL"] = _registry.flatten_one_level
-        ns["chain"] = itertools.chain
-        ns["compress"] = itertools.compress
-        ns["STR"] = frozenset((str,))
+        ns: dict[str, Any] = {**READ_NAMES, "AT": _array_types, "is_not": operator.is_not}
+        ns["chain"], ns["compress"] = itertools.chain, itertools.compress
         self.ns = ns
         self.lines = ["def plan(root):"]
-        self.emit = self.lines.append
         self.const = _constants(ns)
+        self.code = Code(self.lines, " ", self.const)
+        self.emit = self.code.emit
         # Expression yielding child i of node q, once node q sits in local n{q}.
         self.child_expr: dict[int, list[str]] = {}
         self.seen_leaf: set[int] = set()
@@ -209,14 +255,16 @@ class _FlattenEmitter:
         self.statics: list[str] = []  # locals holding static values, in order
         self.static_values: list[Any] = []
         self.tracked_nodes: list[tuple[str, tuple]] = []  # (local, record): nodes whose identity is sharing
-        self.objects: list[tuple[str, str, Any, tuple]] = []  # (node local, dict local, type, names)
+        # (node local, dict local, type, names): checked at once (`check_objects`)
+        self.objects: list[tuple[str, str, Any, tuple]] = []
+        self.code.objects = self.objects
         self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
         # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.holders: list[str] = []
         # A node read by key or index (not through a call) that holds an array no other record
-        # holds needs no identity check (as in loops, see _loops.flatten_loop): were it another
+        # holds needs no identity check (as in loops, see loops.flatten_loop): were it another
         # node's object, the other's child at that key (read too: every record's children are)
         # would be that array, which the GraphDef puts there for no other record, so the arrays'
         # distinct check, a static's check or a node's type check fails. ``own``: those arrays.
@@ -251,9 +299,9 @@ class _FlattenEmitter:
         a node with its kind's checks, a later place of either by identity."""
         emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
         run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
-        if run_at:  # nodes read in loops whose identity must be checked (see _loops.flatten_loop)
-            emit(" TN = []")
-            emit(" tn = TN.extend")
+        if run_at:  # nodes read in loops whose identity must be checked (see loops.flatten_loop)
+            emit("TN = []")
+            emit("tn = TN.extend")
         skip = 0
         for parent, i, r in order:
             if skip:
@@ -270,15 +318,15 @@ class _FlattenEmitter:
             if tag == STATIC:
                 self.statics.append(f"s{q}")
                 self.static_values.append(self.gdef.statics[q])
-                emit(f" s{q} = {expr}")
+                emit(f"s{q} = {expr}")
             elif tag == LEAF:
                 if q in seen_leaf:
-                    emit(f" if {expr} is not {self.leaf(q)}: raise M")
+                    emit(CHECK_SAME, expr=expr, known=self.leaf(q))
                 else:
                     seen_leaf.add(q)
-                    emit(f" l{q} = {expr}")
+                    emit(f"l{q} = {expr}")
             elif q in self.seen_node:  # a later place of a node: the same object
-                emit(f" if {expr} is not n{q}: raise M")
+                emit(CHECK_SAME, expr=expr, known=f"n{q}")
             else:
                 self.node(q, expr)
 
@@ -298,102 +346,41 @@ class _FlattenEmitter:
 
     def node(self, q: int, expr: str) -> None:
         """Node ``q``'s first place, read from ``expr`` into local ``n{q}`` and checked as its
-        kind says; its children's expressions kept for their places."""
+        kind's emitter says; its children's expressions kept for their places."""
         self.seen_node.add(q)
         record = self.records[q]
         kind, meta, refs = record
-        v = f"n{q}"
-        self.emit(f" {v} = {expr}")
+        v, n = f"n{q}", len(refs)
+        self.emit(f"{v} = {expr}")
         if not untracked(record) and not (kind in _READ_BY_KEY and any(map(self.own.__contains__, refs))):
             self.tracked_nodes.append((v, record))
-        if kind == LIST or kind == TUPLE:
-            children = self.read_sequence(q, v, kind, refs)
-        elif kind == DICT:
-            children = self.read_dict(q, v, meta, refs)
-        elif KINDS[kind].fields_in_dict:
-            self.objects.append((v, f"d{q}", meta[0], meta[1]))
-            self.emit(f" d{q} = {v}.__dict__")
-            children = [f"d{q}[{name!r}]" for name in meta[1]]
-        elif kind == NAMEDTUPLE:
-            t = self.const(meta, "T")
-            self.emit(f" if type({v}) is not {t} or len({v}) != {len(refs)}: raise M")
-            children = [f"{v}[{k}]" for k in range(len(refs))]
-        elif kind == PYTREE:
-            children = self.read_by_call(q, v, len(refs), meta[0], None, meta[1], ("AUX", "SAUX"))
-        elif kind == VIEW:
-            fn = self.const(meta, "FN")
-            sfn = self.const(_strict(meta), "SFN")
-            self.emit(
-                f" if type({v}) is not View or ({v}.fn is not {fn} and STRICT({v}.fn) != {sfn}): raise M"
-            )
-            children = [f"{v}.source"]
-        else:  # any other kind: its own children(), its meta compared strictly
-            t = KINDS[kind].type_of(meta)
-            children = self.read_by_call(q, v, len(refs), t, KINDS[kind].children, meta, ("MT", "SM"))
-        self.child_expr[q] = children
+        emitter = EMITTERS[kind]
+        if q not in self.lay.bulk:
+            self.child_expr[q] = emitter.read(self.code, v, meta, n, str(q))
+            if emitter.unpacks and n > 1:
+                self.arrays(q, v, refs)
+            return
+        # arrays all seen here first: the node holds them (a sequence), or one statement reads them
+        holder = v if emitter.unpacks else f"RD{q}"
+        self.child_expr[q] = emitter.read(self.code, v, meta, n, str(q), None if emitter.unpacks else holder)
+        first = refs[0] // TAGS
+        self.held(first, first + n, holder)
+        self.bulk.add(q)
 
-    def read_sequence(self, q: int, v: str, kind: int, refs: tuple) -> list[str]:
-        """A list or tuple: its type and length; its arrays in one statement where it can."""
-        emit, seen_leaf, n = self.emit, self.seen_leaf, len(refs)
-        emit(f" if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
+    def arrays(self, q: int, v: str, refs: tuple) -> None:
+        """A sequence of arrays only, read in one statement: all the very arrays met before,
+        or all new ones unpacked."""
         leaf_qs = [c // TAGS for c in refs if c % TAGS == LEAF]
-        if q in self.lay.bulk:  # arrays all seen here first: the sequence holds them
-            self.held(leaf_qs[0], leaf_qs[0] + n, v)
+        if len(leaf_qs) != len(refs):
+            return
+        seen_leaf = self.seen_leaf
+        if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
+            self.emit(CHECK_ALL_SAME, v=v, known=tup([self.leaf(c) for c in leaf_qs]))
             self.bulk.add(q)
-        elif n > 1 and len(leaf_qs) == n:  # a sequence of arrays: one statement for all
-            if all(c in seen_leaf for c in leaf_qs):  # all met before: same objects
-                known = _tup([self.leaf(c) for c in leaf_qs])
-                emit(f" if not all(map(is_, {v}, {known})): raise M")
-                self.bulk.add(q)
-            elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == n:
-                emit(f" {', '.join(f'l{c}' for c in leaf_qs)}, = {v}")
-                seen_leaf.update(leaf_qs)
-                self.bulk.add(q)
-        return [f"{v}[{k}]" for k in range(n)]
-
-    def read_dict(self, q: int, v: str, meta: Any, refs: tuple) -> list[str]:
-        """A dict: its type and its keys in the model's insertion order (which the rebuilt dict
-        keeps), exact where they are not all str; its arrays in one statement where it can."""
-        emit, const, n = self.emit, self.const, len(refs)
-        keys, order = meta
-        ks = const(keys, "K")
-        inserted = const(keys if order is None else order, "KI")
-        str_keys = all(type(k) is str for k in keys)
-        if n and str_keys:
-            # At once when they are the very keys recorded (a dict tied rebuilt, or keyed by
-            # the same strings): those are exact str. Else equal, and checked exact str here.
-            emit(
-                f" if type({v}) is not dict or len({v}) != {n} or (not all(map(is_, {v}, {inserted}))"
-                f" and (tuple({v}) != {inserted} or not STR.issuperset(map(type, {v})))): raise M"
-            )
-        else:
-            emit(f" if type({v}) is not dict or tuple({v}) != {inserted}: raise M")
-        if q in self.lay.bulk:  # arrays all seen here first: read them in one statement
-            _, first = split_ref(refs[0])
-            read = f"tuple({v}.values())" if order is None else f"tuple(map({v}.__getitem__, {ks}))"
-            emit(f" RD{q} = {read}")
-            self.held(first, first + n, f"RD{q}")
+        elif not seen_leaf.intersection(leaf_qs) and len(set(leaf_qs)) == len(refs):
+            self.emit(UNPACK, targets=", ".join(f"l{c}" for c in leaf_qs), v=v)
+            seen_leaf.update(leaf_qs)
             self.bulk.add(q)
-        if not str_keys:  # 1 == 1.0 == True: compare the keys themselves, type and bits
-            sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
-            emit(f" if tuple(map(STRICT, {v})) != {sk}: raise M")
-        return [f"{v}[{ks}[{k}]]" for k in range(n)]
-
-    def read_by_call(
-        self, q: int, v: str, n: int, typ: type, children: Any, meta: Any, prefixes: tuple[str, str]
-    ) -> list[str]:
-        """A node whose children come from a call (``children``: the kind's own; None for a JAX
-        pytree, flattened one level by JAX), checked by type first (the call may run user
-        code), then its arity and its meta (a pytree's aux data) compared strictly; the meta
-        and its strict key are bound under ``prefixes``."""
-        const, emit = self.const, self.emit
-        t = const(typ, "T")
-        call = "FOL" if children is None else const(children, "CH")
-        expected, strict = const(meta, prefixes[0]), const(_strict(meta), prefixes[1])
-        emit(f" if type({v}) is not {t}: raise M")
-        emit(f" c{q}, a{q} = {call}({v})")
-        emit(f" if len(c{q}) != {n} or not SAME(a{q}, {expected}, {strict}): raise M")
-        return [f"c{q}[{k}]" for k in range(n)]
 
     # ------------------------------------------------ the checks, once every place is read
 
@@ -403,12 +390,12 @@ class _FlattenEmitter:
         if not objects:
             return
         types = const(tuple(t for _, _, t, _ in objects), "TYPES")
-        self.emit(f" if tuple(map(type, {_tup([v for v, _, _, _ in objects])})) != {types}: raise M")
+        self.emit(CHECK_OBJECT_TYPES, nodes=tup([v for v, _, _, _ in objects]), types=types)
         # The fields in their order (the walk lists them in assignment order), all dicts'
         # keys in one list (a display: no call per dict): each dict holds its names (read
         # above), and the same total sequence then means the same keys in the same order in each.
         names = const([n for _, _, _, nm in objects for n in nm], "NAMES")
-        self.emit(f" if [{', '.join(f'*{d}' for _, d, _, _ in objects)}] != {names}: raise M")
+        self.emit(CHECK_OBJECT_FIELDS, dicts=", ".join(f"*{d}" for _, d, _, _ in objects), names=names)
 
     def check_statics(self) -> None:
         """The statics: the very objects recorded, or of their types and values."""
@@ -416,7 +403,7 @@ class _FlattenEmitter:
         if not statics:
             return
         values = const(tuple(static_values), "SV")
-        self.emit(f" sv = {_tup(statics)}")
+        self.emit(READ_STATICS, statics=tup(statics))
         # An identical object is the same static; anything else must match in type, and in
         # value: by == where == is exact (str, int, bool, None), by the strict key elsewhere
         # (floats: -0.0 == 0.0; tuples holding them; numpy scalars; and objects the GraphDef
@@ -424,33 +411,31 @@ class _FlattenEmitter:
         types = const(tuple(type(x) for x in static_values), "ST")
         plain = [k for k, x in enumerate(static_values) if type(x) in EXACT_EQ]
         bits = [k for k in range(len(static_values)) if k not in set(plain)]
-        checks = [f"tuple(map(type, sv)) != {types}"]
+        checks = [STATIC_TYPES.format(types=types)]
         if plain:
             pv = const(tuple(static_values[k] for k in plain), "PV")
-            checks.append(f"{_tup([statics[k] for k in plain])} != {pv}")
+            checks.append(STATIC_VALUES.format(statics=tup([statics[k] for k in plain]), values=pv))
         if bits:
             bv = const(tuple(_strict(static_values[k]) for k in bits), "BV")
-            checks.append(f"tuple(map(STRICT, {_tup([statics[k] for k in bits])})) != {bv}")
-        self.emit(f" if any(map(is_not, sv, {values})) and ({' or '.join(checks)}): raise M")
+            checks.append(STATIC_KEYS.format(statics=tup([statics[k] for k in bits]), keys=bv))
+        self.emit(CHECK_STATICS, values=values, unequal=" or ".join(checks))
 
     def check_leaves(self, writes: bool) -> None:
         """The list ``out`` of the arrays; they are arrays and distinct (those outside state
         cells), or, for a write-back, the very arrays the call was given."""
         emit, state, num_leaves = self.emit, self.state, self.gdef.num_leaves
-        emit(f" out = [{', '.join(_segments(num_leaves, self.starts, self.ends, self.holders))}]")
+        emit(LEAVES, items=", ".join(_segments(num_leaves, self.starts, self.ends, self.holders)))
         if writes:  # the very arrays the call was given (distinct, of array types): nothing else
-            emit(" if any(map(is_not, out, INP)): raise M")
+            emit(CHECK_GIVEN)
             return
-        emit(" if not AT.issuperset(map(type, out)): raise M")
+        emit(CHECK_ARRAYS)
         if any(state):  # the others distinct, and none of them below a cell too
             n_params = state.count(False)
             outside = self.const(bytes(not s for s in state), "OUT")
             inside = self.const(bytes(state), "IN")
-            emit(f" ids = set(map(id, compress(out, {outside})))")
-            emit(f" if len(ids) != {n_params} or not ids.isdisjoint(map(id, compress(out, {inside}))):")
-            emit("  raise M")
+            emit(CHECK_DISTINCT_OUTSIDE_CELLS, outside=outside, n=n_params, inside=inside)
         else:
-            emit(f" if len(set(map(id, out))) != {num_leaves}: raise M")
+            emit(CHECK_DISTINCT, n=num_leaves)
 
     def check_nodes(self) -> None:
         """Distinct nodes stay distinct. Types are checked above, so objects of the two groups
@@ -461,59 +446,36 @@ class _FlattenEmitter:
         if self.looped_nodes:  # with the nodes read in loops that hold no array of their own: all by id
             total = len(tracked_nodes) + self.looped_nodes
             looped = ", ".join(["TN", *self.element_slices])
-            emit(f" if len(set(map(id, chain({_tup(by_identity + by_id)}, {looped})))) != {total}: raise M")
+            emit(CHECK_NODES_AND_LOOPED, nodes=tup(by_identity + by_id), looped=looped, n=total)
             return
         if len(by_identity) > 1:
-            emit(f" if len(set({_tup(by_identity)})) != {len(by_identity)}: raise M")
+            emit(CHECK_NODES_HASHED, nodes=tup(by_identity), n=len(by_identity))
         if len(by_id) > 1:
-            emit(f" if len(set(map(id, {_tup(by_id)}))) != {len(by_id)}: raise M")
+            emit(CHECK_NODES_BY_ID, nodes=tup(by_id), n=len(by_id))
 
     # ------------------------------------------------ the function
 
     def guarded(self) -> Callable[..., Any]:
         """The flatten plan: the list of arrays, or None at the first difference."""
-        lines = self.lines
-        lines.append(" return out")
-        lines += ["def guarded(root):", " try:", "  return plan(root)", " except FAIL:", "  return None", ""]
-        return _compile("\n".join(lines), "flatten", self.ns, "guarded")
+        return _compile("\n".join(self.lines) + "\n" + GUARDED, "flatten", self.ns, "guarded")
 
     def write_back(self, writes: tuple) -> Callable[..., Any] | None:
         """The write-back: the reading and checks, then the ``writes`` (None where a written
         container is read in a loop). The writes run once every check has passed, outside the
         guard: a setter that raises (a state cell refusing its value) is an error, never a
         miss after half a write."""
-        lines, const, records = self.lines, self.const, self.records
-        lines[0] = "def plan(root, INP):"
-        held_locals: list[str] = []
+        self.lines[0] = "def plan(root, INP):"
         puts: list[str] = []
-        setters: dict[int, str] = {}
+        code = Code(puts, " ", self.const)
+        held: list[str] = []
         for n, j, i in writes:
             if j not in self.seen_node:  # read in a loop: no local holds it
                 return None
-            kind, meta, _ = records[j]
-            by_dict = KINDS[kind].fields_in_dict and type(KINDS[kind]).setter is type(KINDS[OBJ]).setter
-            if kind in (LIST, DICT) or by_dict:
-                # its reading expression is the item its setter assigns (a list's, a dict's, a
-                # __dict__'s: a registered class and a state cell write there)
-                held_locals.append(f"n{j}" if kind in (LIST, DICT) else f"d{j}")
-                puts.append(f" {self.child_expr[j][i]} = V[{n}]")
-            else:  # the kind's own setter (a state cell checks its value)
-                held_locals.append(f"n{j}")
-                if kind not in setters:
-                    setters[kind] = const(KINDS[kind].setter, "SET")
-                puts.append(f" {setters[kind]}({const(meta, 'MT')}, n{j}, {i})(V[{n}])")
-        held_locals = list(dict.fromkeys(held_locals))
-        lines.append(f" return {_tup(held_locals)}")
-        lines += ["def guarded(root, INP, V):", " try:", "  C = plan(root, INP)", " except FAIL:"]
-        lines += ["  return None", f" {_tup(held_locals)[1:-1]} = C"]
-        lines += puts
-        lines += [" return True", ""]
-        return _compile("\n".join(lines), "write-back", self.ns, "guarded")
-
-
-def _tup(names: list[str]) -> str:
-    """A tuple display of ``names`` (``()`` for none, ``(x, )`` for one)."""
-    return "(" + "".join(f"{x}, " for x in names) + ")"
+            kind, meta, _ = self.records[j]
+            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, n))
+        held = tup(list(dict.fromkeys(held)))
+        source = WRITE_BACK.format(held=held, unpacked=held[1:-1], puts="\n".join(puts))
+        return _compile("\n".join(self.lines) + "\n" + source, "write-back", self.ns, "guarded")
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
@@ -551,10 +513,8 @@ def compile_unflatten(
     if unflatten_lines(gdef) > max_lines:
         return None
     mutable, post = rebuild_order(gdef)
-    ns: dict[str, Any] = {"new": object.__new__, "View": View, "setattr": object.__setattr__}
-    ns["VF"], ns["G"] = view_failed, gdef
-    lines = ["def build(L, S):"]
-    emit = lines.append
+    ns: dict[str, Any] = {**BUILD_NAMES, "VF": view_failed, "G": gdef}
+    lines = [BUILD]
     lay = layout(gdef)
     looped = {
         j
@@ -562,13 +522,14 @@ def compile_unflatten(
         for run in runs
         for j in range(run.first, run.first + run.count * run.nodes)
     }
-    const = _constants(ns, "_")  # "_": apart from the names below (T{j}, K{j}...)
+    const = _constants(ns, "_")  # "_": apart from the plan's own names (n{j}, B{k}, ...)
+    code = Code(lines, " ", const)
 
     def ref(r: int) -> str:
         q, tag = divmod(r, TAGS)  # split_ref's arithmetic, inline: once per place
         return _REF_EXPR[tag].format(q)
 
-    def args(refs: tuple, j: int = -1) -> str:
+    def args(refs: tuple, j: int) -> str:
         """A tuple display of ``refs``: a run's elements as ``*B{k}``, four or more
         consecutive arrays as one slice of ``L``."""
         items: list[str] = []
@@ -582,7 +543,7 @@ def compile_unflatten(
                 continue
             r, e = refs[i], i + 1
             if r % TAGS == LEAF:  # consecutive arrays: references TAGS apart
-                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and (j < 0 or e not in starts):
+                while e < len(refs) and refs[e] == refs[e - 1] + TAGS and e not in starts:
                     e += 1
             if e - i >= 4:
                 q = r // TAGS
@@ -590,51 +551,12 @@ def compile_unflatten(
             else:
                 items.extend(ref(x) for x in refs[i:e])
             i = e
-        return "(" + "".join(f"{x}, " for x in items) + ")"
+        return tup(items)
 
-    for j in mutable:
-        if j in looped:
-            continue
-        kind, meta, _ = records[j]
-        if kind == LIST:
-            emit(f" n{j} = []")
-        elif kind == DICT:
-            emit(f" n{j} = {{}}")
-        elif KINDS[kind].fields_in_dict or kind == SLOTS:
-            ns[f"T{j}"] = meta[0]
-            emit(f" n{j} = new(T{j})")
-        else:
-            ns[f"SH{j}"], ns[f"M{j}"] = KINDS[kind].shell, meta
-            emit(f" n{j} = SH{j}(M{j})")
-
-    def fill(j: int, kind: int, meta: Any, refs: tuple) -> None:
-        if kind == LIST:
-            emit(f" n{j}.extend({args(refs, j)})")
-        elif kind == DICT:
-            keys, order = meta
-            if len(refs) > 8 and all(type(k) is str for k in keys):
-                # The keys in the model's order first, from a dict made once (its table copied,
-                # no resizing as keys are added; a str's hash never changes), then the values.
-                ns[f"KD{j}"] = dict.fromkeys(keys if order is None else order)
-                emit(f" n{j}.update(KD{j})")
-            elif order is not None and j in lay.bulk:  # keys in the model's order, then values
-                ns[f"KI{j}"] = order
-                emit(f" n{j}.update(dict.fromkeys(KI{j}))")
-            elif order is not None:  # fill in the model's insertion order
-                position = {k: i for i, k in enumerate(keys)}
-                keys, refs = order, tuple(refs[position[k]] for k in order)
-            ns[f"K{j}"] = keys
-            emit(f" n{j}.update(zip(K{j}, {args(refs)}))")
-        elif KINDS[kind].fields_in_dict and plain_attributes(meta[0], meta[1]):
-            for name, r in zip(meta[1], refs):  # the fastest way to fill a fresh __dict__
-                emit(f" n{j}.{name} = {ref(r)}")
-        elif KINDS[kind].fields_in_dict:
-            ns[f"N{j}"] = meta[1]
-            emit(f" n{j}.__dict__.update(zip(N{j}, {args(refs)}))")
-        else:
-            ns[f"FL{j}"], ns[f"M{j}"] = KINDS[kind].fill, meta
-            emit(f" FL{j}(M{j}, n{j}, list({args(refs)}))")
-
+    for j in mutable:  # empty first: a cycle may pass through them
+        if j not in looped:
+            kind, meta, _ = records[j]
+            EMITTERS[kind].shell(code, f"n{j}", meta)
     # Children before parents: a mutable node is filled, an immutable one built, once
     # its children are complete (shells above stand in on a cycle).
     for j in post:
@@ -643,31 +565,15 @@ def compile_unflatten(
         kind, meta, refs = records[j]
         for run in lay.runs.get(j, ()):  # runs of identical layers: one loop each
             lines.extend(unflatten_loop(gdef, run, run.first, const))
+        emitter, y = EMITTERS[kind], f"n{j}"
         if kind in _MUTABLE:
             if refs:
-                fill(j, kind, meta, refs)
-        elif kind == TUPLE:
-            emit(f" n{j} = {args(refs, j)}")
-        elif kind == NAMEDTUPLE:
-            ns[f"T{j}"] = meta
-            emit(f" n{j} = T{j}(*{args(refs)})")
-        elif kind == PYTREE:
-            ns[f"P{j}"] = _pytree_def(meta, len(refs))
-            emit(f" n{j} = P{j}.unflatten({args(refs)})")
+                emitter.fill(code, y, meta, refs, partial(args, j=j), ref, bulk=j in lay.bulk)
         elif materialize and KINDS[kind].materializes:
-            ns[f"MZ{j}"], ns[f"M{j}"] = KINDS[kind].materialize, meta
-            emit(f" s{j} = {ref(refs[0])}")
-            emit(" try:")
-            emit(f"  n{j} = MZ{j}(M{j}, [s{j}])")
-            emit(" except Exception as e:")
-            emit(f"  raise VF(G, {j}, M{j}, s{j}, e) from e")
-        elif kind == VIEW:
-            ns[f"F{j}"] = meta
-            emit(f" n{j} = View({ref(refs[0])}, F{j})")
+            emitter.materialize(code, y, j, meta, ref(refs[0]))
         else:
-            ns[f"MK{j}"], ns[f"M{j}"] = KINDS[kind].make, meta
-            emit(f" n{j} = MK{j}(M{j}, list({args(refs)}))")
+            emitter.make(code, y, meta, refs, partial(args, j=j), ref)
     if len(lines) > max_lines:
         return None
-    emit(f" return {ref(gdef.root)}")
+    code.emit(RETURN, root=ref(gdef.root))
     return _compile("\n".join(lines) + "\n", "unflatten", ns, "build")

@@ -7,7 +7,8 @@ embedding). A straight-line plan spends a line per place, and compiling Python
 costs far more per line than walking a place, so such plans had to be bounded.
 Here we find, in a GraphDef, the runs of consecutive children of a list or a tuple
 whose subtrees are the same up to where their arrays and statics are numbered;
-`_plan` then emits one loop per run, its body one element's code. A plan's size is
+`compile.py` then emits one loop per run, its body one element's code, each node's lines
+written by its kind's emitter (`emit.py`, as in straight-line plans). A plan's size is
 then that of the model's distinct layouts, not of its depth.
 
 An element joins a run only if its subtree is *closed* (no node inside it has a
@@ -18,19 +19,18 @@ and nodes from outside: those are references by absolute index, equal in every
 element of a run.
 
 This module decides nothing about sharing: it reads what a GraphDef records. Its
-only user is `_plan`, whose plans `_graph` checks against the walk.
+only user is `compile.py`, whose plans `graph` checks against the walk.
 """
 
 from __future__ import annotations
 
-import keyword
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..graphdef import GraphDef, untracked
-from ..kinds import DICT, KINDS, LIST, NAMEDTUPLE, PYTREE, TUPLE, _pytree_def
+from ..kinds import DICT, LIST, TUPLE
 from ..refs import LEAF, NODE, STATIC, TAGS, node_ref, split_ref
-from ..strict import _strict
+from .emit import CHECK_SAME, EMITTERS, LOOP_KINDS, Code, static_check, tup
 
 # Fewer elements than this are not worth a loop (straight lines are as short).
 LOOP_MIN = 4
@@ -42,13 +42,7 @@ MAX_ELEMENT_RECORDS = 512
 LOOP_PLACES = 1000
 # A list, tuple or dict of at least this many arrays seen there first is read in one statement.
 BULK_MIN = 8
-_OBJECTS = frozenset(k.index for k in KINDS if k.fields_in_dict)
-_BODY_KINDS = frozenset({LIST, DICT, TUPLE, NAMEDTUPLE, PYTREE}) | _OBJECTS
 _LOOP_BUG = "tied: an unflatten plan's loop built a wrong number of layers (a bug in tied; please report it)"
-# Statics whose == is exact: the same type and == mean the same value. Any other static that
-# is not the very object recorded is compared by its strict key (type and bits; identity
-# for the objects whose == is not trusted), as GraphDefs compare.
-EXACT_EQ = frozenset({str, int, bool, type(None)})
 
 
 class Run(NamedTuple):
@@ -68,7 +62,7 @@ class Run(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """What `_plan` needs of a GraphDef's repeats: its runs, by parent, and its bulk nodes."""
+    """What `compile.py` needs of a GraphDef's repeats: its runs, by parent, and its bulk nodes."""
 
     runs: dict[int, tuple[Run, ...]]
     bulk: frozenset  # lists, tuples and dicts whose children are all arrays seen there first
@@ -216,7 +210,7 @@ def _element(gdef: GraphDef, ext: _Extents, j: int, key: tuple) -> tuple | None:
     sig: list = [(ne - j, hi - lo, shi - slo, p1 - p0), unique]
     for jj in range(j, ne):
         kind, _, refs = records[jj]
-        if kind not in _BODY_KINDS:
+        if kind not in LOOP_KINDS:
             return None
         if jj > j:
             outside_places += ext.refcount[jj]
@@ -314,30 +308,37 @@ def _run(gdef: GraphDef, ext: _Extents, parent: int, members: list[int], refs: t
     return Run(parent, members[0], len(members), j, ne - j, lo, hi - lo, slo, shi - slo, p1 - p0, unique)
 
 
-def static_check(s: str, value: Any, const: Callable[[Any, str], str]) -> str:
-    """A condition, true when the static read into ``s`` differs from ``value`` (type and bits)."""
-    sv, st = const(value, "SV"), const(type(value), "ST")
-    if type(value) not in EXACT_EQ:
-        return f"{s} is not {sv} and (type({s}) is not {st} or STRICT({s}) != {const(_strict(value), 'BV')})"
-    return f"{s} is not {sv} and (type({s}) is not {st} or {s} != {sv})"
+# ---------------------------------------------------------------- templates: a loop's own lines
+# (the lines of each kind of node in its body are `emit.py`'s)
+
+# Reading: the arrays first seen in the elements collected into R{k}, in walk order; the nodes
+# that only their identity tells apart into TN (checked distinct with the plan's others).
+READ_LOOP = """\
+R{k} = []
+rx{k} = R{k}.extend
+ra{k} = R{k}.append
+for x_ in {seq}[{start}:{end}]:"""
+READ_STATIC = """\
+xs = {expr}
+if {unequal}: raise M"""
+BIND = "{local} = {expr}"
+COLLECT_ONE = "ra{k}({item})"
+COLLECT = "rx{k}({items})"
+COLLECT_NODES = "tn({items})"
+# Building: the elements into B{k}, each from its own arrays and statics (strided slices).
+BUILD_LOOP = """\
+B{k} = []
+ba{k} = B{k}.append
+for {targets}, in zip({slices}, strict=True):"""
+BUILD_LOOP_BARE = """\
+B{k} = []
+ba{k} = B{k}.append
+for _ in range({count}):"""
+BUILT = "ba{k}(yb0)"
+CHECK_BUILT = "if len(B{k}) != {count}: raise AssertionError({bug!r})"
 
 
-def plain_attributes(cls: type, names: tuple) -> bool:
-    """Whether ``obj.name = value`` on a fresh instance only stores into its ``__dict__``:
-    no custom ``__setattr__`` (frozen dataclasses have one), no descriptor of that name."""
-    if getattr(cls, "__setattr__", None) is not object.__setattr__:
-        return False
-    for name in names:
-        if not (isinstance(name, str) and name.isidentifier()) or keyword.iskeyword(name):
-            return False
-        if name.startswith("__"):
-            return False
-        if hasattr(type(getattr(cls, name, None)), "__set__"):
-            return False
-    return True
-
-
-# A generated-code emitter (as `_plan.compile_flatten`): one element's reading, per kind.
+# A generated-code emitter (as `compile.compile_flatten`): one element's reading, each node by its emitter.
 def flatten_loop(
     gdef: GraphDef, run: Run, k: int, seq: str, leaf: Callable[[int], str], const: Callable[[Any, str], str]
 ) -> tuple[list[str], int, bool]:
@@ -352,9 +353,10 @@ def flatten_loop(
     check fails. A node without one is checked by identity."""
     records = gdef.records
     j0, lo, hi = run.first, run.lo, run.lo + run.leaves
-    lines = [f" R{k} = []", f" rx{k} = R{k}.extend", f" ra{k} = R{k}.append"]
-    lines.append(f" for x_ in {seq}[{run.start}:{run.start + run.count}]:")
-    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    lines: list[str] = []
+    Code(lines, " ", const).emit(READ_LOOP, k=k, seq=seq, start=run.start, end=run.start + run.count)
+    code = Code(lines, "  ", const, prefix="x")  # locals xc0, xd0...: apart from the plan's
+    emit = code.emit
     uses: dict[int, int] = {}
     for jj in range(j0, j0 + run.nodes):
         for tag, x in map(split_ref, records[jj][2]):
@@ -368,44 +370,7 @@ def flatten_loop(
     def enter(j: int, v: str) -> list:
         """Emit the checks of node ``j`` (in local ``v``); the expressions of its children."""
         kind, meta, refs = records[j]
-        n, rel = len(refs), j - j0
-        if kind in (LIST, TUPLE):
-            emit(f"if type({v}) is not {'list' if kind == LIST else 'tuple'} or len({v}) != {n}: raise M")
-            return [f"{v}[{i}]" for i in range(n)]
-        if kind == DICT:
-            keys, order = meta
-            ks = const(keys, "K")
-            ki = const(keys if order is None else order, "KI")
-            emit(f"if type({v}) is not dict or tuple({v}) != {ki}: raise M")
-            if all(type(key) is str for key in keys):
-                if n:
-                    emit(f"if not STR.issuperset(map(type, {v})): raise M")
-            else:
-                sk = const(tuple(map(_strict, keys if order is None else order)), "SK")
-                emit(f"if tuple(map(STRICT, {v})) != {sk}: raise M")
-            return [f"{v}[{ks}[{i}]]" for i in range(n)]
-        if kind == NAMEDTUPLE:
-            emit(f"if type({v}) is not {const(meta, 'T')} or len({v}) != {n}: raise M")
-            return [f"{v}[{i}]" for i in range(n)]
-        if kind == PYTREE:
-            emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
-            emit(f"xc{rel}, xa{rel} = FOL({v})")
-            aux, saux = const(meta[1], "AUX"), const(_strict(meta[1]), "SAUX")
-            emit(f"if len(xc{rel}) != {n} or not SAME(xa{rel}, {aux}, {saux}): raise M")
-            return [f"xc{rel}[{i}]" for i in range(n)]
-        # an attribute-holding node: its field names in order, then its values in one statement
-        emit(f"if type({v}) is not {const(meta[0], 'T')}: raise M")
-        emit(f"xd{rel} = {v}.__dict__")
-        if not n:
-            emit(f"if xd{rel}: raise M")
-            return []
-        keys = [f"xk{rel}_{i}" for i in range(n)]
-        emit(f"{', '.join(keys)}, = xd{rel}")
-        names = [const(name, "FN") for name in meta[1]]
-        emit(f"if {' or '.join(f'{a} != {b}' for a, b in zip(keys, names))}: raise M")
-        values = [f"xv{rel}_{i}" for i in range(n)]
-        emit(f"{', '.join(values)}, = xd{rel}.values()")
-        return values
+        return EMITTERS[kind].read(code, v, meta, len(refs), str(j - j0))
 
     # The walk's order, depth first, so that arrays are collected in the order it numbers them.
     # A frame: [children's expressions, refs, next child, local, holds an own array that has
@@ -430,14 +395,13 @@ def flatten_loop(
         e = exprs[i]
         tag, x = split_ref(refs[i])
         if tag == STATIC:
-            emit(f"xs = {e}")
-            emit(f"if {static_check('xs', gdef.statics[x], const)}: raise M")
+            emit(READ_STATIC, expr=e, unequal=static_check("xs", gdef.statics[x], const))
         elif tag == LEAF and lo <= x < hi:
             if x in bound:
-                emit(f"if {e} is not {bound[x]}: raise M")
+                emit(CHECK_SAME, expr=e, known=bound[x])
             elif uses[x] > 1:
                 bound[x] = f"xe{x - lo}"
-                emit(f"xe{x - lo} = {e}")
+                emit(BIND, local=bound[x], expr=e)
                 new.append(f"xe{x - lo}")
             else:
                 bound[x] = e
@@ -445,25 +409,26 @@ def flatten_loop(
             if run.unique[x - lo]:
                 frame[4] = True
         elif tag == LEAF:
-            emit(f"if {e} is not {leaf(x)}: raise M")
+            emit(CHECK_SAME, expr=e, known=leaf(x))
         elif not j0 <= x < j0 + run.nodes:
-            emit(f"if {e} is not n{x}: raise M")
+            emit(CHECK_SAME, expr=e, known=f"n{x}")
         elif x in names:
-            emit(f"if {e} is not {names[x]}: raise M")
+            emit(CHECK_SAME, expr=e, known=names[x])
         else:
             names[x] = f"xy{x - j0}"
-            emit(f"xy{x - j0} = {e}")
+            emit(BIND, local=names[x], expr=e)
             stack.append([enter(x, names[x]), records[x][2], 0, names[x], False, x])
     if len(new) == 1:
-        emit(f"ra{k}({new[0]})")
+        emit(COLLECT_ONE, k=k, item=new[0])
     elif new:
-        emit(f"rx{k}(({''.join(f'{e}, ' for e in new)}))")
+        emit(COLLECT, k=k, items=tup(new))
     if tracked:
-        emit(f"tn(({''.join(f'{e}, ' for e in tracked)}))")
+        emit(COLLECT_NODES, items=tup(tracked))
     return lines, len(tracked), not top[4]
 
 
-# A generated-code emitter (as `_plan.compile_unflatten`): one element's construction, per kind.
+# A generated-code emitter (as `compile.compile_unflatten`): one element's construction, each node by
+# its emitter.
 def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str], str]) -> list[str]:
     """Lines building the elements of ``run`` into the list ``B{k}``, in order."""
     records = gdef.records
@@ -471,13 +436,14 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
     # Each element's own arrays and statics: one strided slice per position in the element.
     own = [f"L[{lo + i}:{lo + i + run.count * run.leaves}:{run.leaves}]" for i in range(run.leaves)]
     own += [f"S[{slo + i}:{slo + i + run.count * run.statics}:{run.statics}]" for i in range(run.statics)]
-    lines = [f" B{k} = []", f" ba{k} = B{k}.append"]
+    lines: list[str] = []
+    head = Code(lines, " ", const)
     if own:
         targets = [f"lv{i}" for i in range(run.leaves)] + [f"sv{i}" for i in range(run.statics)]
-        lines.append(f" for {', '.join(targets)}, in zip({', '.join(own)}, strict=True):")
+        head.emit(BUILD_LOOP, k=k, targets=", ".join(targets), slices=", ".join(own))
     else:
-        lines.append(f" for _ in range({run.count}):")
-    body: list[str] = []
+        head.emit(BUILD_LOOP_BARE, k=k, count=run.count)
+    code = Code(lines, "  ", const)
     names: dict[int, str] = {}
 
     def ref(r: int) -> str:
@@ -487,6 +453,9 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
         if tag == STATIC:
             return f"sv{x - slo}"
         return names[x] if j0 <= x < j0 + run.nodes else f"n{x}"
+
+    def args(refs: tuple) -> str:
+        return tup([ref(r) for r in refs])
 
     # Post order (children first); the element has no cycle, so no shells are needed.
     stack: list[tuple[int, bool]] = [(j0, False)]
@@ -501,31 +470,7 @@ def unflatten_loop(gdef: GraphDef, run: Run, k: int, const: Callable[[Any, str],
             stack.extend((c, False) for c in reversed(inner) if c not in names)
             continue
         y = names[j] = f"yb{j - j0}"
-        args = "(" + "".join(f"{ref(r)}, " for r in refs) + ")"
-        if kind == LIST:
-            body.append(f"{y} = [{args[1:-1]}]")
-        elif kind == TUPLE:
-            body.append(f"{y} = {args}")
-        elif kind == DICT:
-            keys, order = meta
-            if order is not None:
-                position = {key: i for i, key in enumerate(keys)}
-                keys = order
-                args = "(" + "".join(f"{ref(refs[position[key]])}, " for key in order) + ")"
-            body.append(f"{y} = dict(zip({const(keys, 'K')}, {args}))")
-        elif kind == NAMEDTUPLE:
-            body.append(f"{y} = {const(meta, 'T')}(*{args})")
-        elif kind == PYTREE:
-            body.append(f"{y} = {const(_pytree_def(meta, len(refs)), 'P')}.unflatten({args})")
-        else:
-            body.append(f"{y} = new({const(meta[0], 'T')})")
-            if plain_attributes(meta[0], meta[1]):
-                body.extend(f"{y}.{name} = {ref(r)}" for name, r in zip(meta[1], refs))
-            else:
-                body.append(f"{y}.__dict__.update(zip({const(tuple(meta[1]), 'N')}, {args}))")
-    body.append(f"ba{k}(yb0)")
-    return (
-        lines
-        + ["  " + line for line in body]
-        + [f" if len(B{k}) != {run.count}: raise AssertionError({_LOOP_BUG!r})"]
-    )
+        EMITTERS[kind].whole(code, y, meta, refs, args, ref)
+    code.emit(BUILT, k=k)
+    head.emit(CHECK_BUILT, k=k, count=run.count, bug=_LOOP_BUG)
+    return lines
