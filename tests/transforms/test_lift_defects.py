@@ -1,0 +1,75 @@
+"""Defects found at the seams of the lifted transforms (issue 34), each against an independent
+reference: plain JAX on an untied copy of the arrays, written out by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tied
+
+# ---------------------------------------------------------------- 1: a per-member view of one
+# broadcast array, inside tied.grad (which materialises views in its copy)
+
+
+def _views_stack():
+    w = jax.random.normal(jax.random.key(0), (3, 3))
+    vs = [jnp.full((3,), float(i + 1)) for i in range(3)]
+    return w, vs, tied.stack([{"wt": tied.transpose(w), "v": v} for v in vs])
+
+
+def _step(h, layer, x):
+    return jnp.tanh(h * (tied.materialize(layer["wt"]) @ layer["v"])), None
+
+
+def _by_hand_scan(w, vs, h0):
+    h = h0
+    for i in range(vs.shape[0]):
+        h = jnp.tanh(h * (w.T @ vs[i]))
+    return h.sum()
+
+
+def _by_hand_vmap(w, vs, h0):
+    return sum((h0 * (w.T @ vs[i])).sum() for i in range(vs.shape[0]))
+
+
+def _check_grad(g, value, ref_fn, w, vs, h0):
+    ref_value, (gw, gv) = jax.value_and_grad(ref_fn, argnums=(0, 1))(w, jnp.stack(vs), h0)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    np.testing.assert_allclose(g.member["v"], gv, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g.member["wt"].source, gw, rtol=1e-5, atol=1e-6)
+
+
+def test_scan_in_grad_keeps_a_per_member_transpose_of_a_broadcast_array_whole():
+    w, vs, s = _views_stack()
+    h0 = jnp.ones((2, 3))
+    loss = lambda s: tied.scan(_step, h0, s)[0].sum()  # noqa: E731
+    np.testing.assert_allclose(loss(s), _by_hand_scan(w, jnp.stack(vs), h0), rtol=1e-5)
+    value, g = tied.value_and_grad(loss)(s)
+    _check_grad(g, value, _by_hand_scan, w, vs, h0)
+
+
+def test_vmap_in_grad_keeps_a_per_member_transpose_of_a_broadcast_array_whole():
+    w, vs, s = _views_stack()
+    h0 = jnp.ones((2, 3))
+    per_member = lambda m: (h0 * (tied.materialize(m["wt"]) @ m["v"])).sum()  # noqa: E731
+    loss = lambda s: tied.vmap(per_member)(s).sum()  # noqa: E731
+    value, g = tied.value_and_grad(loss)(s)
+    _check_grad(g, value, _by_hand_vmap, w, vs, h0)
+    g2 = tied.grad(loss)(s)
+    np.testing.assert_allclose(g2.member["v"], g.member["v"], rtol=1e-6)
+
+
+def test_unstack_of_a_grad_copy_gives_every_member_the_whole_transpose():
+    w, vs, s = _views_stack()
+    h0 = jnp.ones((2, 3))
+
+    def loss(s):
+        h = h0
+        for m in tied.unstack(s):
+            h, _ = _step(h, m, None)
+        return h.sum()
+
+    value, g = tied.value_and_grad(loss)(s)
+    _check_grad(g, value, _by_hand_scan, w, vs, h0)
