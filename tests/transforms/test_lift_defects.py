@@ -73,3 +73,29 @@ def test_unstack_of_a_grad_copy_gives_every_member_the_whole_transpose():
 
     value, g = tied.value_and_grad(loss)(s)
     _check_grad(g, value, _by_hand_scan, w, vs, h0)
+
+
+# ---------------------------------------------------------------- 2: one array in two elements of
+# a tuple output with different out_axes
+
+
+def _twice(x):
+    y = jnp.sin(x) * 2
+    return y, {"a": y, "b": y}
+
+
+def test_vmap_gives_each_element_of_a_tuple_output_its_own_out_axis():
+    x = jnp.arange(9.0).reshape(3, 3)  # square: a wrong axis would still have the right shape
+    ref = jax.vmap(lambda x: (jnp.sin(x) * 2, {"a": jnp.sin(x) * 2, "b": jnp.sin(x) * 2}), out_axes=(0, 1))(x)
+    first, second = tied.vmap(_twice, out_axes=(0, 1))(x)
+    np.testing.assert_allclose(first, ref[0], rtol=1e-6)
+    np.testing.assert_allclose(second["a"], ref[1]["a"], rtol=1e-6)
+    assert second["a"] is second["b"]  # a tie inside one element is kept
+    assert not np.allclose(first, second["a"])
+
+
+def test_vmap_keeps_one_array_across_elements_of_one_out_axis():
+    x = jnp.arange(6.0).reshape(2, 3)
+    first, second = tied.vmap(_twice, out_axes=(1, 1))(x)
+    np.testing.assert_allclose(first, jax.vmap(lambda x: jnp.sin(x) * 2, out_axes=1)(x), rtol=1e-6)
+    assert first is second["a"] and first is second["b"]

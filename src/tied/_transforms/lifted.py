@@ -300,7 +300,9 @@ def vmap(
     int: that axis). Ties hold across the arguments: an array held by two
     arguments is one input. The output keeps its ties (in each example, the
     same object at every place of a tie), with the mapped axis at ``out_axes``
-    (an int or None for all, or one per element of a tuple output).
+    (an int or None for all, or one per element of a tuple output; an array
+    returned in two elements of different axes is then two arrays, as `jax.vmap`
+    gives them).
 
     State written into a mapped member is written into its slice of the stacked
     array. State written into an unmapped argument, or into a broadcast object of
@@ -366,11 +368,8 @@ def vmap(
         mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0), axis_size=axis_size)
         parts, new, checked = mapped_fn([leaves[q] for q in mapped], [leaves[q] for q in fixed])
         run_checks(learnt["checks"], list(checked))  # every example's flags, before the write-back
-        out_leaves = _join_out(parts, learnt)
-        for i in learnt["totals"]:
-            mark_total(out_leaves[i])
         _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap", _arg_name)
-        return rebuild(learnt["gdef"], out_leaves)
+        return _join_out(parts, learnt)
 
     return wrapped
 
@@ -400,34 +399,63 @@ def _unmapped_write(gdef: GraphDef, q: int, axis: Any) -> GraphError:
 
 def _split_out(out: Any, out_leaves: list, out_gdef: GraphDef, out_axes: Any, learnt: dict) -> Any:
     """The output arrays as JAX's ``out_axes`` reads them: one list, or (for per-element
-    axes of a tuple output) one list per element, each array in the element where its
-    first place is."""
+    axes of a tuple output) one list per element. An array held by elements of one axis is
+    one output (where its first place is); one held by elements of different axes is one
+    output per axis, as `jax.vmap` gives it (the elements are then rebuilt one by one)."""
+    learnt["order"] = learnt["split"] = None
     if out_axes is None or isinstance(out_axes, int):
-        learnt["order"] = None
         return out_leaves
     if not isinstance(out, tuple) or len(out) != len(out_axes):
         raise ValueError(
             f"tied.vmap: out_axes {out_axes!r} has one entry per element of a tuple output, but "
             f"the function returned {type(out).__name__}."
         )
-    element = [None] * len(out_leaves)
+    elements: list[set] = [set() for _ in out_leaves]
+    first = [None] * len(out_leaves)
     for path, q in out_gdef.place_leaves():
-        if element[q] is None:
-            element[q] = next(i for i in range(len(out)) if path.startswith(f"[{i}]"))
+        e = next(i for i in range(len(out)) if path.startswith(f"[{i}]"))
+        elements[q].add(e)
+        if first[q] is None:
+            first[q] = e
     groups: list[list] = [[] for _ in out]
-    order = []
-    for q, e in enumerate(element):
-        order.append((e, len(groups[e])))
-        groups[e].append(out_leaves[q])
-    learnt["order"] = order
+    if all(len({out_axes[e] for e in es}) <= 1 for es in elements):
+        order = []
+        for q, e in enumerate(first):
+            order.append((e, len(groups[e])))
+            groups[e].append(out_leaves[q])
+        learnt["order"] = order
+        return tuple(groups)
+    seat: dict = {}  # (id of an array, axis) -> (element, position) of its one output
+    split = []
+    for e, element in enumerate(out):
+        e_leaves, e_gdef = flatten(element)
+        at = []
+        for x in e_leaves:
+            key = (id(x), out_axes[e])
+            if key not in seat:
+                seat[key] = (e, len(groups[e]))
+                groups[e].append(x)
+            at.append(seat[key])
+        split.append((e_gdef, at, [i for i, x in enumerate(e_leaves) if is_total(x)]))
+    learnt["split"] = split
     return tuple(groups)
 
 
-def _join_out(parts: Any, learnt: dict) -> list:
-    order = learnt["order"]
-    if order is None:
-        return list(parts)
-    return [parts[e][k] for e, k in order]
+def _join_out(parts: Any, learnt: dict) -> Any:
+    """The output rebuilt from what `jax.vmap` returned for `_split_out`'s arrays."""
+    order, split = learnt["order"], learnt["split"]
+    if split is None:
+        out_leaves = list(parts) if order is None else [parts[e][k] for e, k in order]
+        for i in learnt["totals"]:
+            mark_total(out_leaves[i])
+        return rebuild(learnt["gdef"], out_leaves)
+    elements = []
+    for e_gdef, at, totals in split:
+        e_leaves = [parts[e][k] for e, k in at]
+        for i in totals:
+            mark_total(e_leaves[i])
+        elements.append(rebuild(e_gdef, e_leaves))
+    return tuple(elements)
 
 
 # ---------------------------------------------------------------- remat
