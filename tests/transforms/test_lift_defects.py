@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tied
 
@@ -99,3 +100,30 @@ def test_vmap_keeps_one_array_across_elements_of_one_out_axis():
     first, second = tied.vmap(_twice, out_axes=(1, 1))(x)
     np.testing.assert_allclose(first, jax.vmap(lambda x: jnp.sin(x) * 2, out_axes=1)(x), rtol=1e-6)
     assert first is second["a"] and first is second["b"]
+
+
+# ---------------------------------------------------------------- 5: vmap over a Stack whose
+# arrays are all broadcast
+
+
+def _apply(m, x):
+    return jnp.tanh(m["w"] @ x + m["c"])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_vmap_maps_a_stack_of_one_object_over_its_length(n):
+    w, c, x = jnp.arange(4.0).reshape(2, 2) / 4, jnp.array([0.5, -1.0]), jnp.array([1.0, 2.0])
+    b = {"w": w, "c": c}
+    s = tied.stack([b] * n)
+    out = tied.vmap(_apply, in_axes=(0, None))(s, x)
+    np.testing.assert_allclose(out, jnp.stack([jnp.tanh(w @ x + c)] * n), rtol=1e-6)  # the loop
+    g = tied.grad(lambda s: tied.vmap(_apply, in_axes=(0, None))(s, x).sum())(s)
+    gw, gc = jax.grad(lambda w, c: n * jnp.tanh(w @ x + c).sum(), argnums=(0, 1))(w, c)
+    np.testing.assert_allclose(g.member["w"], gw, rtol=1e-5)
+    np.testing.assert_allclose(g.member["c"], gc, rtol=1e-5)
+
+
+def test_vmap_refuses_stacks_of_two_lengths_naming_them():
+    b = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"give \[2, 3\] examples"):
+        tied.vmap(lambda s, t: s["w"] + t["w"])(tied.stack([b, b]), tied.stack([b, b, b]))

@@ -365,13 +365,28 @@ def vmap(
 
         out_spec = out_axes if out_axes is None or isinstance(out_axes, int) else tuple(out_axes)
         in_spec = ([leaf_axes[q] for q in mapped], None)
-        mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0), axis_size=axis_size)
+        size = _stack_size(args, axes, axis_size)
+        mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0), axis_size=size)
         parts, new, checked = mapped_fn([leaves[q] for q in mapped], [leaves[q] for q in fixed])
         run_checks(learnt["checks"], list(checked))  # every example's flags, before the write-back
         _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap", _arg_name)
         return _join_out(parts, learnt)
 
     return wrapped
+
+
+def _stack_size(args: tuple, axes: list, axis_size: int | None) -> int | None:
+    """The number of examples: a mapped Stack's length (it knows it even when every array of
+    it is broadcast, as in ``tied.stack([b, b])``), else ``axis_size``."""
+    sizes = {len(a) for a, ax in zip(args, axes) if isinstance(a, Stack) and ax is not None}
+    if axis_size is not None:
+        sizes.add(axis_size)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"tied.vmap: the mapped Stacks (and axis_size) give {sorted(sizes)} examples; map "
+            "Stacks of one length (and give axis_size equal to it, or leave it out)."
+        )
+    return next(iter(sizes), None)
 
 
 def _arg_name(path: str) -> str:
