@@ -127,3 +127,60 @@ def test_vmap_refuses_stacks_of_two_lengths_naming_them():
     b = {"w": jnp.ones(2)}
     with pytest.raises(ValueError, match=r"give \[2, 3\] examples"):
         tied.vmap(lambda s, t: s["w"] + t["w"])(tied.stack([b, b]), tied.stack([b, b, b]))
+
+
+# ---------------------------------------------------------------- 4: a write into a static
+# argument: refused naming the place, and the caller's objects hold no tracer after it
+
+
+def _no_tracer(obj) -> bool:
+    leaves = jax.tree_util.tree_leaves(vars(obj), is_leaf=lambda x: isinstance(x, tied.State))
+    values = [x.value if isinstance(x, tied.State) else x for x in leaves]
+    return not any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def test_remat_refuses_a_batchnorm_written_as_a_static_argument_and_puts_it_back():
+    bn = tied.nn.BatchNorm(3)
+    mean, var = bn.running_mean.value, bn.running_var.value
+    x = jnp.arange(6.0).reshape(2, 3)
+    f = tied.remat(lambda x, bn: bn(x), static_argnums=(1,))
+    with pytest.raises(tied.GraphError, match=r"args\[1\]\.running_mean\.value: .*static.*put back"):
+        f(x, bn)
+    assert bn.running_mean.value is mean and bn.running_var.value is var
+    assert _no_tracer(bn)
+    np.testing.assert_array_equal(bn.running_mean.value, np.zeros(3))
+
+
+class _Cfg:  # registered with nothing: tied's walk does not enter it
+    def __init__(self):
+        self.calls = tied.State(jnp.zeros((), jnp.int32))
+        self.scale = 2.0
+
+
+def _count(x, cfg):
+    cfg.calls.value = cfg.calls.value + 1
+    return x * cfg.scale
+
+
+def _stash(x, cfg):
+    cfg.seen = x  # a new field of an object the walk does not enter
+    return x * cfg.scale
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [lambda f: tied.jit(f, static_argnums=1), lambda f: tied.remat(f, static_argnums=(1,))],
+    ids=["jit", "remat"],
+)
+def test_a_state_cell_inside_an_unregistered_static_argument_is_refused_and_put_back(transform):
+    cfg = _Cfg()
+    calls = cfg.calls.value
+    with pytest.raises(
+        tied.GraphError, match=r"args\[1\]\.calls\.value: .*static_argnums.*put back as it was"
+    ):
+        transform(_count)(jnp.ones(2), cfg)
+    assert cfg.calls.value is calls and int(cfg.calls.value) == 0
+    assert _no_tracer(cfg)
+    with pytest.raises(tied.GraphError, match=r"args\[1\]\.seen: .*traced value.*put back as it was"):
+        transform(_stash)(jnp.ones(2), cfg)
+    assert not hasattr(cfg, "seen") and cfg.scale == 2.0 and _no_tracer(cfg)

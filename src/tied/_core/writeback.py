@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from .classify import walkable_below
 from .errors import ModelChangedError, where
 from .graph import (
     CHECK_PLANS,
@@ -363,30 +364,36 @@ def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:
         raise e.named(place_name) from None
 
 
-def static_snapshot(statics: tuple, kw_static: tuple) -> list:
+def static_snapshot(statics: tuple, kw_static: tuple) -> tuple[list, list]:
     """What the static arguments of a call (``(position, value)``, ``(name, value)``) hold
-    before it runs: ``(path, object, arrays, GraphDef)`` for each that tied can walk and
-    that holds arrays (``path`` is its place in ``(args, kwargs)``)."""
-    out = []
+    before it runs: ``(path, object, arrays, GraphDef)`` for each graph tied can walk in them
+    that holds arrays, found through unregistered objects too (``path`` is its place in
+    ``(args, kwargs)``), and the arguments themselves ``(path, value)``."""
+    parts = []
     named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
+    holders: list = []
     for path, v in named:
-        try:
-            leaves, gdef = flatten(v)
-        except GraphError:  # not a graph tied walks: nothing of it can be written back
-            continue
-        if leaves:
-            out.append((path, v, leaves, gdef))
-    return out
+        for sub, x in walkable_below(v, holders):
+            try:
+                leaves, gdef = flatten(x)
+            except GraphError:  # not a graph tied walks: looked at again for tracers after the call
+                continue
+            if leaves:
+                parts.append((path + sub, x, leaves, gdef))
+    fields = [(h, dict(h.__dict__)) for h in holders if isinstance(getattr(h, "__dict__", None), dict)]
+    return parts, named, fields
 
 
-def refuse_static_writes(held: list, name: Any = None) -> None:
+def refuse_static_writes(held: tuple[list, list, list], name: Any = None, who: str = "tied.jit") -> None:
     """Refuse a function that wrote into a static argument (``held`` from `static_snapshot`),
     after putting back what it held where that can be done: a static argument is the
-    caller's own object, and a compiled function's constant, so what the function put
-    there would stay a traced value, and a later call (which does not trace) would not
-    write it at all."""
+    caller's own object, passed as it is into the traced function (and, for `tied.jit`, a
+    constant of the compiled function), so what the function put there would stay a traced
+    value, and a later call (which does not trace) would not write it at all. After it, no
+    static argument holds a tracer it did not hold before, checked."""
     name = name or place_name
-    for path, v, leaves, gdef in held:
+    parts, named, fields = held
+    for path, v, leaves, gdef in parts:
         try:
             now, now_gdef = flatten(v)
         except GraphError as e:  # made unwalkable: say where it was written, all the same
@@ -398,7 +405,7 @@ def refuse_static_writes(held: list, name: Any = None) -> None:
             at_path, how = path + gdef.leaf_paths()[changed[0]][0], "the function wrote a new value here"
             try:
                 with live_lock:
-                    at = slots(v, gdef, changed, action="tied.jit", frozen_ok=True)
+                    at = slots(v, gdef, changed, action=who, frozen_ok=True)
                     write(at, [leaves[q] for q in changed])
                 undone = "it was put back as it was"
             except GraphError:
@@ -410,15 +417,48 @@ def refuse_static_writes(held: list, name: Any = None) -> None:
                 inner, how = first_difference(gdef, now_gdef)
                 at_path = path + inner
             undone = "that change could not be undone: build the argument again"
-        raise GraphError(
-            f"{how}, in an argument given as static (static_argnums / static_argnames); {undone}. "
-            "A static argument is a constant of the compiled function: a value written into it "
-            "would stay a traced value in your object, and a later call (which does not trace "
-            "again) would write nothing. Pass the argument as a traced one (leave it out of "
-            "static_argnums), so that tied.jit writes its new values back after each call.",
-            at_path,
-            name=name,
-        )
+        raise _static_write(who, how, undone, at_path, name)
+    before = {id(x): x for _, _, leaves, _ in parts for x in leaves}
+    for path, v in named:
+        at = _new_tracer(v, before)
+        if at is not None:
+            for h, d in fields:  # the fields of unregistered objects, as they were
+                now = h.__dict__
+                if len(now) != len(d) or any(now.get(k, now) is not x for k, x in d.items()):
+                    now.clear()
+                    now.update(d)
+            undone = "it could not be put back" if _new_tracer(v, before) else "it was put back as it was"
+            raise _static_write(who, "the function put a traced value here", undone, path + at, name)
+
+
+def _new_tracer(v: Any, before: dict) -> str | None:
+    """The path in ``v`` of a tracer not among ``before`` (by identity), or None."""
+    for sub, x in walkable_below(v):
+        if isinstance(x, jax.core.Tracer):
+            if before.get(id(x)) is not x:
+                return sub
+            continue
+        try:
+            leaves, gdef = flatten(x)
+        except GraphError:
+            continue
+        for q, y in enumerate(leaves):
+            if isinstance(y, jax.core.Tracer) and before.get(id(y)) is not y:
+                return sub + gdef.leaf_paths()[q][0]
+    return None
+
+
+def _static_write(who: str, how: str, undone: str, at_path: str, name: Any) -> GraphError:
+    return GraphError(
+        f"{how}, in an argument given as static (static_argnums / static_argnames); {undone}. "
+        f"{who} passes a static argument as it is into the traced function (tied.jit: as a "
+        "constant of the compiled function): a value written into it would stay a traced value "
+        "in your object (and under tied.jit a later call, which does not trace again, would write "
+        f"nothing). Pass the argument as a traced one (leave it out of static_argnums), so that "
+        f"{who} writes its new values back after each call.",
+        at_path,
+        name=name,
+    )
 
 
 # ---------------------------------------------------------------- writes a plain JAX transform would drop

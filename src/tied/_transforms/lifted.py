@@ -30,6 +30,8 @@ from .._core import (
     flatten,
     place_name,
     rebuild,
+    refuse_static_writes,
+    static_snapshot,
     structure_error,
     where,
     write_back,
@@ -521,8 +523,10 @@ def remat(
         def inner(given):
             copy = rebuild(gdef, given)
             call_args = [static.get(i, a) for i, a in enumerate(copy[0])]
+            held = static_snapshot(tuple(static.items()), ())  # the caller's own objects
             with check_scope(list(given)) as checks:  # carried out, checked around the remat
                 out = f(*call_args, **copy[1])
+            refuse_static_writes(held, who="tied.remat")
             after, written = _read_writes("tied.remat", gdef, list(given), copy, place_name)
             out_leaves, out_gdef = flatten(out)
             learnt.update(
