@@ -3,6 +3,8 @@ reference: plain JAX on an untied copy of the arrays, written out by hand."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,51 @@ def test_a_state_cell_inside_an_unregistered_static_argument_is_refused_and_put_
     with pytest.raises(tied.GraphError, match=r"args\[1\]\.seen: .*traced value.*put back as it was"):
         transform(_stash)(jnp.ones(2), cfg)
     assert not hasattr(cfg, "seen") and cfg.scale == 2.0 and _no_tracer(cfg)
+
+
+# ---------------------------------------------------------------- 11: every compile logs its line
+# while jax_explain_cache_misses is on, however the switch stood before
+
+
+@pytest.fixture
+def switch(caplog):
+    before = jax.config.jax_explain_cache_misses
+    caplog.set_level(logging.WARNING, logger="tied.jit")
+    try:
+        yield lambda: [r.getMessage() for r in caplog.records if r.name == "tied.jit"]
+    finally:
+        jax.config.update("jax_explain_cache_misses", before)
+
+
+def _calls_and_lines(f, logged, xs):
+    """Per call: (how many compiled versions it added, the lines it logged)."""
+    out = []
+    for x in xs:
+        size, lines = f.cache_size(), len(logged())
+        f(*x)
+        out.append((f.cache_size() - size, logged()[lines:]))
+    return out
+
+
+def test_a_compile_after_the_switch_is_turned_on_logs_its_line(switch):
+    d = tied.nn.Dense(2, 2, key=jax.random.key(0))
+    f = tied.jit(lambda m, x: m(x).sum())
+    f(d, jnp.ones((1, 2)))  # switch off: nothing known of this call
+    jax.config.update("jax_explain_cache_misses", True)
+    x5 = jnp.ones((5, 2))
+    steps = _calls_and_lines(
+        f,
+        switch,
+        [
+            (d, x5),  # new shapes for a known structure
+            (d, x5),  # nothing new
+            (tied.nn.Chain(d, d), x5),  # a new structure
+            (d, jax.device_put(x5, jax.devices()[0])),  # the same shapes, committed: JAX compiles again
+        ],
+    )
+    assert [added for added, _ in steps] == [1, 0, 1, 1]
+    for added, lines in steps:
+        assert len(lines) == added
+    assert "new shapes, dtypes or placements" in steps[0][1][0]
+    assert "its first call" not in steps[2][1][0] and "structure" in steps[2][1][0]
+    assert "placed otherwise" in steps[3][1][0]

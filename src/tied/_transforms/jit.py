@@ -428,9 +428,7 @@ class Jitted:
                         key, gdef, leaves, len(args), tuple(dyn_kwargs)
                     )
                     fresh = True
-        if explain.enabled():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles
-            explain.explain(self, key, leaves, fresh)
-        return root, leaves, gdef, entry
+        return root, leaves, gdef, entry, (key, fresh)
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
         if entry.donated:
@@ -439,7 +437,9 @@ class Jitted:
         return (), leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        root, leaves, gdef, entry = self._prepare(args, kwargs)
+        root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
+        watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
+        size = entry.fn._cache_size() if watch else 0
         try:
             out = entry.fn(*self._inputs(entry, leaves))
         except ValueError as e:
@@ -449,6 +449,9 @@ class Jitted:
             if better is None:
                 raise
             raise better from e
+        finally:
+            if watch:  # every call that added a compiled version, whatever the switch saw before
+                explain.explain(self, key, leaves, fresh, entry.fn._cache_size() > size)
         written = out.written.indices
         out_leaves = out.leaves
         if out.checks:  # before anything is written back: a failed check leaves the caller as it was
@@ -476,7 +479,7 @@ class Jitted:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
         HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
-        _, leaves, _, entry = self._prepare(args, kwargs)
+        _, leaves, _, entry, _ = self._prepare(args, kwargs)
         return entry.fn.lower(*self._inputs(entry, leaves))
 
     # ------------------------------------------------ compiling
