@@ -15,20 +15,17 @@ from .._core import (
     GraphDef,
     GraphError,
     Trainable,
-    copy_scope,
     expand,
     flatten,
     is_param,
-    own_copy,
     read_places,
     rebuild,
-    refuse_dropped,
     structure_error,
     trainable_mask,
     warn_none_selected,
     where,
-    write_back,
 )
+from .escapes import copy_scope, own_copy, refuse_dropped, write_back_checked
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -323,7 +320,7 @@ def _write_state(args, nums, single, leaves, gdef, structure, written, values, p
             by_leaf[q] = v
         written, values = list(by_leaf), list(by_leaf.values())
     model = args[nums[0]] if single else tuple(args[i] for i in nums)
-    write_back(model, gdef, tuple(written), values, "tied.grad", leaves, who="the loss")
+    write_back_checked(model, gdef, tuple(written), values, "tied.grad", leaves, "the loss")
 
 
 def grad(

@@ -15,22 +15,24 @@ from jax.sharding import PartitionSpec
 from .._core import (
     GraphDef,
     GraphError,
-    copy_scope,
     flatten,
     flatten_arguments,
-    note_carried,
-    note_copy,
     place_name,
     plan_cache,
     rebuild,
-    refuse_dropped,
-    refuse_static_writes,
-    static_snapshot,
     structure_error,
     write_back,
 )
 from . import explain
 from .checks import check_scope, run_checks
+from .escapes import (
+    copy_scope,
+    note_carried,
+    note_copy,
+    refuse_dropped,
+    refuse_static_writes,
+    static_snapshot,
+)
 from .grad import is_total, mark_total
 from .sharding import _describe_sharding, _same_layout, leaf_shardings
 

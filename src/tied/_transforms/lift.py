@@ -24,8 +24,9 @@ from typing import Any
 
 import jax
 
-from .._core import GraphDef, GraphError, flatten, rebuild, structure_error, write_back
+from .._core import GraphDef, GraphError, flatten, rebuild, structure_error
 from .checks import check_scope, run_checks
+from .escapes import write_back_checked
 from .grad import is_total, mark_total
 
 __all__ = ["Learnt", "call_on_copy", "read_writes", "learn_output", "output_of", "finish"]
@@ -106,6 +107,6 @@ def finish(
         return
     root, gdef, leaves = at
     try:
-        write_back(root, gdef, tuple(written), values, who, leaves, who=who)
+        write_back_checked(root, gdef, tuple(written), values, who, leaves, who)
     except GraphError as e:
         raise (e if name is None or e.path is None else e.named(name)) from None

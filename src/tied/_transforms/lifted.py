@@ -29,10 +29,9 @@ from .._core import (
     GraphError,
     flatten,
     place_name,
-    refuse_static_writes,
-    static_snapshot,
     where,
 )
+from .escapes import refuse_static_writes, static_snapshot
 from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes
 from .stack import Stack, layout
 
