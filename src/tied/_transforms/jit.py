@@ -34,6 +34,7 @@ from .escapes import (
     static_snapshot,
 )
 from .grad import is_total, mark_total
+from .lift import learn_output, output_of
 from .sharding import _describe_sharding, _same_layout, leaf_shardings
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
@@ -308,7 +309,7 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
         with check_scope(both) as checks:  # values checked after the call (a cache's position)
             out = fun(*args, **dyn_kwargs, **dict(kw_static))
-        out_leaves, out_gdef = flatten(out)
+        out_leaves, out_gdef, totals = learn_output(out)  # which are tied's totals: static data
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
         refuse_static_writes(held)
@@ -337,7 +338,6 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         new_values = [after_leaves[q] for q in written]
         # The output's structure, which of its arrays are tied's own total gradients, and
         # what was written travel back through JAX as static auxiliary data.
-        totals = tuple(i for i, x in enumerate(out_leaves) if is_total(x))
         return _Output(
             out_leaves + new_values + checks.values,
             out_gdef,
@@ -472,9 +472,7 @@ class Jitted:
             n_out = len(out_leaves) - len(written)
             write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves)
             out_leaves = out_leaves[:n_out]
-        for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
-            mark_total(out_leaves[i])
-        return rebuild(out.graphdef, out_leaves)
+        return output_of(out.graphdef, out_leaves, out.totals)  # tied's totals known again
 
     cache_size = explain.cache_size  # the number of compiled versions (src/tied/explain.py)
 

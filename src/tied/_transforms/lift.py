@@ -15,6 +15,10 @@ and says only what is its own (how JAX is called, which arrays are mapped, stack
    its `_Output`, never through a dict the body closes over;
 5. after the call, run the checks, write the new values into the caller's objects
    (`write_back`) and rebuild the output (`output_of`).
+
+`tied.jit` carries its output the same way (`learn_output`, `output_of`, its own `_Output` as
+the static data, since it also donates and shards); `tied.grad` carries which inputs its loss
+wrote as a leafless node of its own (`grad._Written`), since `lift` imports `grad`.
 """
 
 from __future__ import annotations
