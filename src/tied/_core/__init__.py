@@ -3,7 +3,7 @@ and unflatten with their compiled plans, views, state cells, path prefixes, what
 and writing into live objects. See README.md beside this file.
 """
 
-from .classify import register, register_state
+from .classify import register, register_state, walkable_below
 from .errors import Located, ModelChangedError, where
 from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
@@ -11,25 +11,15 @@ from .kinds import GraphError
 from .live import changed, check_written, restore, slots, write
 from .params import Trainable, is_param, trainable_mask
 from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, renew, with_child
-from .read import read_places
+from .read import node_objects, read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_none_selected
 from .view import View, fn_name, materialize, matmul_t, take, transpose, view
 from .writeback import (
-    copy_scope,
-    escaping_tracer,
     first_difference,
-    first_trace,
     flatten_arguments,
-    note_carried,
-    note_copy,
-    own_copy,
     place_name,
-    refuse_dropped,
-    refuse_static_writes,
-    static_snapshot,
     structure_error,
-    trace_of,
     write_back,
 )
 
@@ -49,12 +39,9 @@ __all__ = [
     "changed",
     "check_written",
     "child",
-    "copy_scope",
     "covered",
-    "escaping_tracer",
     "expand",
     "first_difference",
-    "first_trace",
     "flatten",
     "flatten_arguments",
     "fn_name",
@@ -67,31 +54,26 @@ __all__ = [
     "materialize",
     "matmul_t",
     "take",
-    "note_carried",
-    "note_copy",
-    "own_copy",
+    "node_objects",
     "place_name",
     "place_paths",
     "plan_cache",
     "put",
     "read_places",
     "rebuild",
-    "refuse_dropped",
-    "refuse_static_writes",
     "register",
     "renew",
     "register_state",
     "restore",
     "slots",
-    "static_snapshot",
     "structure_error",
-    "trace_of",
     "ties",
     "trainable_mask",
     "transpose",
     "under",
     "unflatten",
     "view",
+    "walkable_below",
     "warn_none_selected",
     "where",
     "with_child",

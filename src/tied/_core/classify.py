@@ -232,21 +232,55 @@ def _kind(x: Any) -> Any:
 # ---------------------------------------------------------------- unwalkable objects
 
 
-def _held(x: Any) -> list:
+def _held_with_keys(x: Any) -> list:
     """What an object that the walk does not enter holds, as far as can be seen without
-    running user code: ``__dict__`` values, set slots, and the items of a container."""
+    running user code, with a JAX key each: ``__dict__`` values, set slots, and the items
+    of a container."""
     out: list = []
     d = getattr(x, "__dict__", None)
     if isinstance(d, dict):
-        out.extend(d.values())
+        out.extend((jax.tree_util.GetAttrKey(str(k)), v) for k, v in d.items())
     for name in _slot_names(type(x)):
         v = getattr(x, name, _MISSING)
         if v is not _MISSING:
-            out.append(v)
-    if isinstance(x, (list, tuple, set, frozenset, collections.deque)):
-        out.extend(x)
+            out.append((jax.tree_util.GetAttrKey(name), v))
+    if isinstance(x, (list, tuple, collections.deque)):
+        out.extend((jax.tree_util.SequenceKey(i), v) for i, v in enumerate(x))
+    elif isinstance(x, (set, frozenset)):
+        out.extend((jax.tree_util.FlattenedIndexKey(i), v) for i, v in enumerate(x))
     elif isinstance(x, dict):
-        out.extend(x.values())
+        out.extend((jax.tree_util.DictKey(k), v) for k, v in x.items())
+    return out
+
+
+def _held(x: Any) -> list:
+    """`_held_with_keys` without the keys."""
+    return [v for _, v in _held_with_keys(x)]
+
+
+def walkable_below(obj: Any, holders: list | None = None) -> list[tuple[str, Any]]:
+    """The objects the walk enters (arrays, nodes) that sit below ``obj`` through objects it
+    does not enter (an unregistered class's fields), each with its path from ``obj``
+    (``[("", obj)]`` when the walk enters ``obj`` itself): where a function handed such an
+    object may have written. The objects not entered are appended to ``holders`` if given.
+    Iterative and identity-memoised, so cycles end."""
+    seen: dict[int, Any] = {}  # id -> object, held so that ids stay unique
+    out = []
+    stack = [("", obj)]
+    while stack:
+        path, x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen[id(x)] = x
+        k = _kind(x)
+        if k is _STATIC:
+            continue
+        if k is _UNKNOWN:
+            if holders is not None:
+                holders.append(x)
+            stack.extend((path + jax.tree_util.keystr((key,)), v) for key, v in reversed(_held_with_keys(x)))
+        else:
+            out.append((path, x))
     return out
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import first_trace, trace_of
+from .escapes import first_trace, trace_of
 
 __all__ = ["CheckScope", "check", "check_scope", "run_checks"]
 

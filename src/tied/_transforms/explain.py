@@ -9,8 +9,11 @@ the three changed since the call before it, and where: the first place added or 
 static field or argument that changed (old and new value), the tie cut or made, or the first
 arrays whose shape or dtype changed. `Jitted.cache_size` counts the compiled entries.
 
-Only calls made while the switch is on are remembered (the arguments' signature, not the
-arrays), per `Jitted`, and only while that `Jitted` lives.
+A call that compiles is known by the entry being new or JAX's own cache growing, so every
+compile that adds a version logs its line whenever the switch is on, turned on after the first
+call too, and for a new placement of the same shapes (an input committed to a device, another
+sharding). What changed is named against the calls made while the switch was on: only those are
+remembered (the arguments' signature, not the arrays), per `Jitted`, and only while it lives.
 """
 
 from __future__ import annotations
@@ -72,29 +75,46 @@ def _aval(sig: tuple) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]" + (" (weak type)" if weak else "")
 
 
-def explain(jitted: Any, key: tuple, leaves: list, fresh: bool) -> str | None:
-    """Record a call of ``jitted`` and, if it compiles, log and return why.
+def explain(jitted: Any, key: tuple, leaves: list, fresh: bool, compiled: bool = False) -> str | None:
+    """Record a call of ``jitted`` and, if it compiled, log and return why.
 
     Args:
         jitted: the `Jitted` called.
         key: its cache key, ``(GraphDef, static arguments)``.
         leaves: the call's unique input arrays.
         fresh: whether ``key`` made a new entry (a new structure or new static arguments).
+        compiled: whether the call added a compiled version to an existing entry (JAX's own
+            cache grew: new shapes, dtypes, or placements).
 
     Returns:
-        The message logged, or None when the call compiles nothing.
+        The message logged, or None when the call compiled nothing.
     """
     sig = _signature(leaves)
     per_key, last = _seen.get(jitted, ({}, None))
     seen = per_key.setdefault(key, [])
     name = getattr(jitted.fun, "__qualname__", repr(jitted.fun))
     if fresh:
-        if last is None:
-            reason = "its first call (nothing compiled yet)"
-        else:
+        if last is not None:
             reason = _new_entry(last, key)
-    elif sig in seen or not seen:
-        reason = None  # compiled before (or before the switch was on: nothing known to compare)
+        elif len(jitted._compiled) > 1:
+            reason = (
+                "new arguments' structure or static arguments (the calls before were made with the "
+                "switch off: nothing is known to compare with)"
+            )
+        else:
+            reason = "its first call (nothing compiled yet)"
+    elif not compiled:
+        reason = None
+    elif not seen:
+        reason = (
+            "new shapes, dtypes or placements of the arguments (the calls before were made with the "
+            "switch off: nothing is known to compare with)"
+        )
+    elif sig in seen:
+        reason = (
+            "the same structure, static arguments, shapes and dtypes as an earlier call: the "
+            "arguments are placed otherwise (their shardings, devices or committedness)"
+        )
     else:
         reason = _new_shapes(key[0], seen[-1], sig)
     if sig not in seen:

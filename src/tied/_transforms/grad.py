@@ -15,20 +15,17 @@ from .._core import (
     GraphDef,
     GraphError,
     Trainable,
-    copy_scope,
     expand,
     flatten,
     is_param,
-    own_copy,
     read_places,
     rebuild,
-    refuse_dropped,
     structure_error,
     trainable_mask,
     warn_none_selected,
     where,
-    write_back,
 )
+from .escapes import copy_scope, own_copy, refuse_dropped, write_back_checked
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -187,8 +184,6 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
             structure, inputs = gdef, leaves
             diff = [i for i, m in enumerate(mask) if m]
 
-        written: list = []  # (input index, position in the written values), learnt in f
-
         def run(params):
             full = list(inputs)
             for i, p in zip(diff, params):
@@ -209,13 +204,16 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
             # the caller's objects after the call, as if the loss had run on them.
             after_leaves, after = flatten(selected[0] if single else selected)
             new = _written(before, before_leaves, after, after_leaves, full, name)
-            written[:] = [i for i, _ in new]
             values = [v for _, v in new]
-            return (out[0], (out[1], values)) if has_aux else (out, (None, values))
+            learnt = _Written(tuple(i for i, _ in new))  # the inputs written, as static data
+            return (out[0], (out[1], values, learnt)) if has_aux else (out, (None, values, learnt))
 
-        f = _refusing_drops(run, structure, written)
-        (value, (aux, new_values)), dparams = jax.value_and_grad(f, has_aux=True)([inputs[i] for i in diff])
-        if written:
+        f = _refusing_drops(run, structure)
+        (value, (aux, new_values, learnt)), dparams = jax.value_and_grad(f, has_aux=True)(
+            [inputs[i] for i in diff]
+        )
+        if learnt.indices:
+            written = list(learnt.indices)
             _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
         if has_aux:
             value = (value, aux)
@@ -233,7 +231,25 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
     return wrapped
 
 
-def _refusing_drops(run: Callable, structure: GraphDef, written: list) -> Callable:
+@jax.tree_util.register_pytree_node_class
+class _Written:
+    """Which inputs the loss wrote (``indices``), carried out of `jax.value_and_grad` as
+    static auxiliary data (a pytree node with no leaves), not through a closure."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: tuple[int, ...]):
+        self.indices = indices
+
+    def tree_flatten(self):
+        return (), self.indices
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: Any) -> _Written:
+        return cls(aux)
+
+
+def _refusing_drops(run: Callable, structure: GraphDef) -> Callable:
     """``run`` (the loss on a rebuilt model), refusing state that a plain JAX transform inside
     it wrote on a copy and dropped, or wrote as a tracer of a finished transform."""
 
@@ -244,7 +260,7 @@ def _refusing_drops(run: Callable, structure: GraphDef, written: list) -> Callab
             kept = flatten(result)[0] + list(result[1][1])
         except GraphError:
             kept = list(result[1][1])
-        refuse_dropped(scope, structure, written, kept, "tied.grad", where)
+        refuse_dropped(scope, structure, list(result[1][2].indices), kept, "tied.grad", where)
         return result
 
     return f
@@ -304,7 +320,7 @@ def _write_state(args, nums, single, leaves, gdef, structure, written, values, p
             by_leaf[q] = v
         written, values = list(by_leaf), list(by_leaf.values())
     model = args[nums[0]] if single else tuple(args[i] for i in nums)
-    write_back(model, gdef, tuple(written), values, "tied.grad", leaves, who="the loss")
+    write_back_checked(model, gdef, tuple(written), values, "tied.grad", leaves, "the loss")
 
 
 def grad(

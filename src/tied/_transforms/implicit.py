@@ -31,7 +31,6 @@ from .._core import (
     View,
     changed,
     check_written,
-    escaping_tracer,
     flatten,
     is_param,
     live_lock,
@@ -40,6 +39,7 @@ from .._core import (
     trainable_mask,
     write,
 )
+from .escapes import escaping_tracer
 from .grad import _gradient_tree
 
 __all__ = ["Params", "Grads", "params", "gradient"]

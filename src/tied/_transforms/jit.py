@@ -15,23 +15,26 @@ from jax.sharding import PartitionSpec
 from .._core import (
     GraphDef,
     GraphError,
-    copy_scope,
     flatten,
     flatten_arguments,
-    note_carried,
-    note_copy,
     place_name,
     plan_cache,
     rebuild,
-    refuse_dropped,
-    refuse_static_writes,
-    static_snapshot,
     structure_error,
     write_back,
 )
 from . import explain
 from .checks import check_scope, run_checks
+from .escapes import (
+    copy_scope,
+    note_carried,
+    note_copy,
+    refuse_dropped,
+    refuse_static_writes,
+    static_snapshot,
+)
 from .grad import is_total, mark_total
+from .lift import learn_output, output_of
 from .sharding import _describe_sharding, _same_layout, leaf_shardings
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
@@ -306,7 +309,7 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
         with check_scope(both) as checks:  # values checked after the call (a cache's position)
             out = fun(*args, **dyn_kwargs, **dict(kw_static))
-        out_leaves, out_gdef = flatten(out)
+        out_leaves, out_gdef, totals = learn_output(out)  # which are tied's totals: static data
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
         refuse_static_writes(held)
@@ -335,7 +338,6 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         new_values = [after_leaves[q] for q in written]
         # The output's structure, which of its arrays are tied's own total gradients, and
         # what was written travel back through JAX as static auxiliary data.
-        totals = tuple(i for i, x in enumerate(out_leaves) if is_total(x))
         return _Output(
             out_leaves + new_values + checks.values,
             out_gdef,
@@ -428,9 +430,7 @@ class Jitted:
                         key, gdef, leaves, len(args), tuple(dyn_kwargs)
                     )
                     fresh = True
-        if explain.enabled():  # JAX_EXPLAIN_CACHE_MISSES: say why this call compiles
-            explain.explain(self, key, leaves, fresh)
-        return root, leaves, gdef, entry
+        return root, leaves, gdef, entry, (key, fresh)
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
         if entry.donated:
@@ -439,7 +439,9 @@ class Jitted:
         return (), leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        root, leaves, gdef, entry = self._prepare(args, kwargs)
+        root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
+        watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
+        size = entry.fn._cache_size() if watch else 0
         try:
             out = entry.fn(*self._inputs(entry, leaves))
         except ValueError as e:
@@ -449,6 +451,9 @@ class Jitted:
             if better is None:
                 raise
             raise better from e
+        finally:
+            if watch:  # every call that added a compiled version, whatever the switch saw before
+                explain.explain(self, key, leaves, fresh, entry.fn._cache_size() > size)
         written = out.written.indices
         out_leaves = out.leaves
         if out.checks:  # before anything is written back: a failed check leaves the caller as it was
@@ -467,16 +472,14 @@ class Jitted:
             n_out = len(out_leaves) - len(written)
             write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves)
             out_leaves = out_leaves[:n_out]
-        for i in out.totals:  # the output's arrays that are tied's own total gradients: keep them known
-            mark_total(out_leaves[i])
-        return rebuild(out.graphdef, out_leaves)
+        return output_of(out.graphdef, out_leaves, out.totals)  # tied's totals known again
 
     cache_size = explain.cache_size  # the number of compiled versions (src/tied/explain.py)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
         HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
-        _, leaves, _, entry = self._prepare(args, kwargs)
+        _, leaves, _, entry, _ = self._prepare(args, kwargs)
         return entry.fn.lower(*self._inputs(entry, leaves))
 
     # ------------------------------------------------ compiling

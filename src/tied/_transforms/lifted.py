@@ -29,50 +29,16 @@ from .._core import (
     GraphError,
     flatten,
     place_name,
-    rebuild,
-    structure_error,
     where,
-    write_back,
 )
-from .checks import check_scope, run_checks
-from .grad import is_total, mark_total
+from .escapes import refuse_static_writes, static_snapshot
+from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes
 from .stack import Stack, layout
 
 __all__ = ["scan", "vmap", "remat"]
 
 
 # ---------------------------------------------------------------- shared steps
-
-
-def _read_writes(who: str, gdef: GraphDef, given: list, copy: Any, name: Callable[[str], str]) -> list[int]:
-    """The unique arrays ``fn`` put at existing places of ``copy`` (rebuilt from ``given``);
-    a change of structure is a `GraphError` naming the first difference."""
-    after_leaves, after = flatten(copy)
-    if after != gdef:
-        raise structure_error(
-            gdef,
-            after,
-            f"{who}: the function",
-            out_of="the transform",
-            advice="Write new values only into existing places (a tied.State's .value), or change "
-            "the model outside.",
-            name=name,
-        )
-    return after_leaves, [q for q, (a, b) in enumerate(zip(after_leaves, given)) if a is not b]
-
-
-def _write_back(
-    root: Any, gdef: GraphDef, leaves: list, written: list, values: list, who: str, name: Any = None
-) -> None:
-    """Write ``values`` at every place of the unique arrays ``written`` of ``root`` (whose
-    flatten gave ``leaves`` and ``gdef``), as `tied.jit` writes back; an error's place is shown
-    through ``name`` (``root``'s path -> the caller's: ``args[0]...``)."""
-    if not written:
-        return
-    try:
-        write_back(root, gdef, tuple(written), values, who, leaves, who=who)
-    except GraphError as e:
-        raise (e if name is None or e.path is None else e.named(name)) from None
 
 
 def _leaves_at(n: int, *groups: tuple) -> list:
@@ -185,25 +151,29 @@ def scan(
     state = gdef.state_leaves()
     s_idx = [q for q, s in enumerate(stacked) if s]
     b_idx = [q for q, s in enumerate(stacked) if not s]
-    learnt: dict = {}
 
     def body(c, sl):
-        carry, b = c
+        given, b = c
         s, x = sl
         full = _leaves_at(gdef.num_leaves, (s_idx, s), (b_idx, b))
-        copy = rebuild(gdef, full)
-        layer = copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
-        with check_scope(full) as checks:  # carried out per step, checked at the level around
-            carry, y = f(carry, layer, x)
-        after, written = _read_writes("tied.scan", gdef, full, copy, where)
+        # checks are carried out per step, and checked at the level around
+        copy, (carry, y), checks = call_on_copy(gdef, full, lambda copy: f(given, _layer(copy), x), full)
+        after, written = read_writes("tied.scan", gdef, full, copy, where)
         for q in written:
             _check_scan_write(gdef, q, stacked[q], state[q], full[q], after[q])
-        learnt["written"] = [q for q in written if stacked[q]]
-        learnt["broadcast"] = [q for q in written if not stacked[q]]
-        learnt["checks"] = checks.checks
-        return (carry, [after[q] for q in b_idx]), (y, [after[q] for q in learnt["written"]], checks.values)
+        learnt = Learnt(
+            tuple(q for q in written if stacked[q]),
+            tuple(checks.checks),
+            more=tuple(q for q in written if not stacked[q]),  # broadcast: written through the carry
+        )
+        return (carry, [after[q] for q in b_idx]), (
+            y,
+            [after[q] for q in learnt.written],
+            checks.values,
+            learnt,
+        )
 
-    (carry, b_out), (ys, s_out, checked) = jax.lax.scan(
+    (carry, b_out), (ys, s_out, checked, learnt) = jax.lax.scan(
         body,
         (init, [leaves[q] for q in b_idx]),
         ([leaves[q] for q in s_idx], xs),
@@ -211,12 +181,16 @@ def scan(
         reverse=reverse,
         unroll=unroll,
     )
-    run_checks(tuple(learnt["checks"]), list(checked))  # every step's flags: raised around the scan
     pos = {q: k for k, q in enumerate(b_idx)}
-    written = learnt["written"] + learnt["broadcast"]
-    values = list(s_out) + [b_out[pos[q]] for q in learnt["broadcast"]]
-    _write_back(stack, gdef, leaves, written, values, "tied.scan")
+    values = list(s_out) + [b_out[pos[q]] for q in learnt.more]
+    # every step's flags raised around the scan, then the writes
+    finish(learnt, checked, (stack, gdef, leaves), values, "tied.scan", written=learnt.written + learnt.more)
     return carry, ys
+
+
+def _layer(copy: Any) -> Any:
+    """What a step is handed: the member of the Stack (or of each Stack) of ``copy``."""
+    return copy.member if isinstance(copy, Stack) else type(copy)(s.member for s in copy)
 
 
 def _check_scan_write(gdef: GraphDef, q: int, stacked: bool, state: bool, old: Any, new: Any) -> None:
@@ -300,7 +274,9 @@ def vmap(
     int: that axis). Ties hold across the arguments: an array held by two
     arguments is one input. The output keeps its ties (in each example, the
     same object at every place of a tie), with the mapped axis at ``out_axes``
-    (an int or None for all, or one per element of a tuple output).
+    (an int or None for all, or one per element of a tuple output; an array
+    returned in two elements of different axes is then two arrays, as `jax.vmap`
+    gives them).
 
     State written into a mapped member is written into its slice of the stacked
     array. State written into an unmapped argument, or into a broadcast object of
@@ -337,42 +313,49 @@ def vmap(
         leaf_axes = _leaf_axes(args, axes, leaves, gdef)
         mapped = [q for q, a in enumerate(leaf_axes) if a is not None]
         fixed = [q for q, a in enumerate(leaf_axes) if a is None]
-        learnt: dict = {}
+
+        def call(copy):  # a mapped Stack is handed over as one member (its slice of each stacked array)
+            return f(
+                *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
+            )
 
         def inner(m_leaves, f_leaves):
             full = _leaves_at(gdef.num_leaves, (mapped, m_leaves), (fixed, f_leaves))
-            copy = rebuild(gdef, full)
-            # a mapped Stack is handed over as one member (its slice of each stacked array)
-            with check_scope(list(m_leaves)) as checks:  # carried out per example, checked around
-                out = f(
-                    *(c.member if isinstance(c, Stack) and ax is not None else c for c, ax in zip(copy, axes))
-                )
-            after, written = _read_writes("tied.vmap", gdef, full, copy, _arg_name)
+            # checks are carried out per example, and checked around
+            copy, out, checks = call_on_copy(gdef, full, call, list(m_leaves))
+            after, written = read_writes("tied.vmap", gdef, full, copy, _arg_name)
             for q in written:
                 if leaf_axes[q] != 0:
                     raise _unmapped_write(gdef, q, leaf_axes[q])
-            out_leaves, out_gdef = flatten(out)
-            learnt.update(
-                gdef=out_gdef,
-                written=written,
-                totals=[i for i, x in enumerate(out_leaves) if is_total(x)],
-                checks=tuple(checks.checks),
-            )
-            parts = _split_out(out, out_leaves, out_gdef, out_axes, learnt)
-            return parts, [after[q] for q in written], checks.values
+            out_leaves, out_gdef, totals = learn_output(out)
+            parts, layout = _split_out(out, out_leaves, out_gdef, out_axes)
+            learnt = Learnt(tuple(written), tuple(checks.checks), out_gdef, totals, layout)
+            return parts, [after[q] for q in written], checks.values, learnt
 
         out_spec = out_axes if out_axes is None or isinstance(out_axes, int) else tuple(out_axes)
         in_spec = ([leaf_axes[q] for q in mapped], None)
-        mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0), axis_size=axis_size)
-        parts, new, checked = mapped_fn([leaves[q] for q in mapped], [leaves[q] for q in fixed])
-        run_checks(learnt["checks"], list(checked))  # every example's flags, before the write-back
-        out_leaves = _join_out(parts, learnt)
-        for i in learnt["totals"]:
-            mark_total(out_leaves[i])
-        _write_back(args, gdef, leaves, learnt["written"], list(new), "tied.vmap", _arg_name)
-        return rebuild(learnt["gdef"], out_leaves)
+        size = _stack_size(args, axes, axis_size)
+        mapped_fn = jax.vmap(inner, in_axes=in_spec, out_axes=(out_spec, 0, 0, 0), axis_size=size)
+        parts, new, checked, learnt = mapped_fn([leaves[q] for q in mapped], [leaves[q] for q in fixed])
+        # every example's flags, before the write-back
+        finish(learnt, checked, (args, gdef, leaves), list(new), "tied.vmap", _arg_name)
+        return _join_out(parts, learnt)
 
     return wrapped
+
+
+def _stack_size(args: tuple, axes: list, axis_size: int | None) -> int | None:
+    """The number of examples: a mapped Stack's length (it knows it even when every array of
+    it is broadcast, as in ``tied.stack([b, b])``), else ``axis_size``."""
+    sizes = {len(a) for a, ax in zip(args, axes) if isinstance(a, Stack) and ax is not None}
+    if axis_size is not None:
+        sizes.add(axis_size)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"tied.vmap: the mapped Stacks (and axis_size) give {sorted(sizes)} examples; map "
+            "Stacks of one length (and give axis_size equal to it, or leave it out)."
+        )
+    return next(iter(sizes), None)
 
 
 def _arg_name(path: str) -> str:
@@ -398,36 +381,56 @@ def _unmapped_write(gdef: GraphDef, q: int, axis: Any) -> GraphError:
     )
 
 
-def _split_out(out: Any, out_leaves: list, out_gdef: GraphDef, out_axes: Any, learnt: dict) -> Any:
-    """The output arrays as JAX's ``out_axes`` reads them: one list, or (for per-element
-    axes of a tuple output) one list per element, each array in the element where its
-    first place is."""
+def _split_out(out: Any, out_leaves: list, out_gdef: GraphDef, out_axes: Any) -> tuple[Any, Any]:
+    """The output arrays as JAX's ``out_axes`` reads them (one list, or for per-element axes of
+    a tuple output one list per element), and how to read them back (`_join_out`). An array
+    held by elements of one axis is one output (where its first place is); one held by
+    elements of different axes is one output per axis, as `jax.vmap` gives it (the elements
+    are then rebuilt one by one)."""
     if out_axes is None or isinstance(out_axes, int):
-        learnt["order"] = None
-        return out_leaves
+        return out_leaves, None
     if not isinstance(out, tuple) or len(out) != len(out_axes):
         raise ValueError(
             f"tied.vmap: out_axes {out_axes!r} has one entry per element of a tuple output, but "
             f"the function returned {type(out).__name__}."
         )
-    element = [None] * len(out_leaves)
+    elements: list[set] = [set() for _ in out_leaves]
+    first = [None] * len(out_leaves)
     for path, q in out_gdef.place_leaves():
-        if element[q] is None:
-            element[q] = next(i for i in range(len(out)) if path.startswith(f"[{i}]"))
+        e = next(i for i in range(len(out)) if path.startswith(f"[{i}]"))
+        elements[q].add(e)
+        if first[q] is None:
+            first[q] = e
     groups: list[list] = [[] for _ in out]
-    order = []
-    for q, e in enumerate(element):
-        order.append((e, len(groups[e])))
-        groups[e].append(out_leaves[q])
-    learnt["order"] = order
-    return tuple(groups)
+    if all(len({out_axes[e] for e in es}) <= 1 for es in elements):
+        order = []
+        for q, e in enumerate(first):
+            order.append((e, len(groups[e])))
+            groups[e].append(out_leaves[q])
+        return tuple(groups), ("order", tuple(order))
+    seat: dict = {}  # (id of an array, axis) -> (element, position) of its one output
+    split = []
+    for e, element in enumerate(out):
+        e_leaves, e_gdef, totals = learn_output(element)
+        at = []
+        for x in e_leaves:
+            key = (id(x), out_axes[e])
+            if key not in seat:
+                seat[key] = (e, len(groups[e]))
+                groups[e].append(x)
+            at.append(seat[key])
+        split.append((e_gdef, tuple(at), totals))
+    return tuple(groups), ("split", tuple(split))
 
 
-def _join_out(parts: Any, learnt: dict) -> list:
-    order = learnt["order"]
-    if order is None:
-        return list(parts)
-    return [parts[e][k] for e, k in order]
+def _join_out(parts: Any, learnt: Learnt) -> Any:
+    """The output rebuilt from what `jax.vmap` returned for `_split_out`'s arrays."""
+    if learnt.more is None:
+        return output_of(learnt.out, list(parts), learnt.totals)
+    how, layout = learnt.more
+    if how == "order":
+        return output_of(learnt.out, [parts[e][k] for e, k in layout], learnt.totals)
+    return tuple(output_of(e_gdef, [parts[e][k] for e, k in at], totals) for e_gdef, at, totals in layout)
 
 
 # ---------------------------------------------------------------- remat
@@ -473,29 +476,24 @@ def remat(
         static = {i % n: args[i] for i in nums if -n <= i < n}
         root = (tuple(None if i in static else a for i, a in enumerate(args)), kwargs)
         leaves, gdef = flatten(root)
-        learnt: dict = {}
+
+        def call(copy):
+            return f(*[static.get(i, a) for i, a in enumerate(copy[0])], **copy[1])
 
         def inner(given):
-            copy = rebuild(gdef, given)
-            call_args = [static.get(i, a) for i, a in enumerate(copy[0])]
-            with check_scope(list(given)) as checks:  # carried out, checked around the remat
-                out = f(*call_args, **copy[1])
-            after, written = _read_writes("tied.remat", gdef, list(given), copy, place_name)
-            out_leaves, out_gdef = flatten(out)
-            learnt.update(
-                gdef=out_gdef,
-                written=written,
-                totals=[i for i, x in enumerate(out_leaves) if is_total(x)],
-                checks=tuple(checks.checks),
-            )
-            return out_leaves, [after[q] for q in written], checks.values
+            held = static_snapshot(tuple(static.items()), ())  # the caller's own objects
+            # checks are carried out, and checked around the remat
+            copy, out, checks = call_on_copy(gdef, given, call, list(given))
+            refuse_static_writes(held, who="tied.remat")
+            after, written = read_writes("tied.remat", gdef, list(given), copy, place_name)
+            out_leaves, out_gdef, totals = learn_output(out)
+            learnt = Learnt(tuple(written), tuple(checks.checks), out_gdef, totals)
+            return out_leaves, [after[q] for q in written], checks.values, learnt
 
         remat = jax.checkpoint(inner, prevent_cse=prevent_cse, policy=policy)
-        out_leaves, new, checked = remat(list(leaves))
-        run_checks(learnt["checks"], list(checked))  # before the write-back
-        for i in learnt["totals"]:
-            mark_total(out_leaves[i])
-        _write_back(root, gdef, leaves, learnt["written"], list(new), "tied.remat", place_name)
-        return rebuild(learnt["gdef"], out_leaves)
+        out_leaves, new, checked, learnt = remat(list(leaves))
+        # before the write-back
+        finish(learnt, checked, (root, gdef, leaves), list(new), "tied.remat", place_name)
+        return output_of(learnt.out, out_leaves, learnt.totals)
 
     return wrapped

@@ -335,6 +335,7 @@ def stack(members: Iterable) -> Stack:
             node_paths[p.index].append(p.path)
     node_stacked = [_classify(False, ps, at, seats) for ps in node_paths]
     leaf_stacked = [_classify(True, ps, at, seats) for ps in leaf_paths]
+    _views_follow_sources(g0, places, node_stacked, leaf_stacked)
     _cells_own_arrays(g0, places, node_stacked, leaf_stacked)
     _views_over_stacked(places, node_stacked)
     new_leaves = []
@@ -392,6 +393,20 @@ def _cells_own_arrays(g0: GraphDef, places: list, node_stacked: list, leaf_stack
                 f"tied.stack: the array at {where(p.path)} is held by a broadcast object and by "
                 "each member's own state cell: give each cell its own array."
             )
+
+
+def _views_follow_sources(g0: GraphDef, places: list, node_stacked: list, leaf_stacked: list) -> None:
+    """A view whose sources are all broadcast is broadcast, even where each member holds its own
+    view object: a gradient materialises views (an array at the view's place), and the layout
+    must then say that array is the one for every member, never slice it per member."""
+    for p in places:
+        if p.kind != "view" or not node_stacked[p.index]:
+            continue
+        kids = g0.children(p.index)
+        if not any(
+            leaf_stacked[i] if k == "array" else k != "static" and node_stacked[i] for _, k, i in kids
+        ):
+            node_stacked[p.index] = False
 
 
 def _views_over_stacked(places: list, node_stacked: list) -> None:
