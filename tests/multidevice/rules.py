@@ -287,12 +287,6 @@ def scan_only_step(m, s, ids):
     return m, s, value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tied.jit (src/tied/_transforms/jit.py, owned by helper 'lift') does not yet constrain an "
-    "argument's updated copy to the argument's shardings: XLA picks some (a replicated bias comes "
-    "back split); the call site of tied._transforms.sharding.copy_shardings is to be added there",
-)
 def test_plain_jit_returns_each_updated_copy_with_its_arguments_shardings():
     emb = tied.nn.Embedding(32, 8, key=jax.random.key(0))
     blocks = tied.stack([tied.nn.Dense(8, 8, key=jax.random.key(i)) for i in range(4)])

@@ -35,7 +35,7 @@ from .escapes import (
 )
 from .grad import is_total, mark_total
 from .lift import learn_output, output_of
-from .sharding import _describe_sharding, _same_layout, leaf_shardings
+from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -299,6 +299,7 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
     existing places of its arguments (written back by the caller)."""
 
     def traced(donated_leaves, kept_leaves):
+        given = _given_shardings() if out_shardings_fn is None else None  # before fun: it may jit too
         both = list(donated_leaves) + list(kept_leaves)
         leaves = [both[p] for p in inverse]
         root = rebuild(gdef, leaves)
@@ -312,6 +313,10 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         out_leaves, out_gdef, totals = learn_output(out)  # which are tied's totals: static data
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
+        elif given is not None and len(given) == len(leaves):
+            out_leaves = _keep_input_shardings(
+                [*dyn_args, *dyn_kwargs.values()], out, leaves, out_leaves, given
+            )
         refuse_static_writes(held)
         # What fun wrote into its arguments: the same structure, new objects at some places.
         after_leaves, after = flatten_arguments(root)
@@ -353,6 +358,37 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         return out
 
     return flat_fun
+
+
+# The shardings of the arrays of the call being traced, set by `Jitted.__call__` and `lower` just
+# before JAX runs (and, on a cache miss, traces) the body on this thread: JAX traces again whenever
+# an input's sharding changes, so the body always sees the shardings of the call it compiles for.
+_given = threading.local()
+
+
+def _given_shardings() -> list | None:
+    leaves = getattr(_given, "leaves", None)
+    _given.leaves = None  # read once, by the outermost body this call traces
+    if leaves is None:
+        return None
+    shardings = [
+        x.sharding if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+        for x in leaves
+    ]
+    return shardings if any(_spread(s) for s in shardings) else None
+
+
+def _spread(s: Any) -> bool:
+    return s is not None and len(s.device_set) > 1
+
+
+def _keep_input_shardings(args: list, out: Any, leaves: list, out_leaves: list, given: list) -> list:
+    """With no ``out_shardings`` given, an updated copy of an argument (a training step's new
+    model and optimiser state) leaves the program sharded as the argument came in, never as
+    XLA chose (a replicated bias handed back split); other outputs are left to XLA."""
+    of = {id(t): s for t, s in zip(leaves, given)}
+    wanted = copy_shardings(args, out, lambda x: of.get(id(x)))
+    return [jax.lax.with_sharding_constraint(x, s) if _spread(s) else x for x, s in zip(out_leaves, wanted)]
 
 
 class Jitted:
@@ -442,6 +478,8 @@ class Jitted:
         root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
         watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
         size = entry.fn._cache_size() if watch else 0
+        if self._out_shardings is None:
+            _given.leaves = leaves
         try:
             out = entry.fn(*self._inputs(entry, leaves))
         except ValueError as e:
@@ -480,6 +518,8 @@ class Jitted:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
         HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
         _, leaves, _, entry, _ = self._prepare(args, kwargs)
+        if self._out_shardings is None:
+            _given.leaves = leaves
         return entry.fn.lower(*self._inputs(entry, leaves))
 
     # ------------------------------------------------ compiling
