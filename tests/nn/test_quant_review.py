@@ -103,3 +103,29 @@ def test_freeze_by_a_quantized_view_with_nothing_trainable_is_refused_naming_its
         match=r"tied.View of 2 sources\) holds no trainable.*\['embed'\]\.weight\.source\[0\] \(int8\)",
     ):
         tied.optim.freeze(state, q["head"].weight, model=q)
+
+
+def floats(p, x):
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def test_a_weight_also_used_transposed_is_quantized_once_and_differentiates_through_both():
+    enc = Dense(3, 5, key=jax.random.key(0))
+    m = {"enc": enc, "dec": Dense(tied.transpose(enc.weight))}  # the decoder reads enc.weight.T
+    q = tied.nn.quantize(m, "['enc']")
+    assert q["dec"].weight.source is q["enc"].weight  # the tie is kept: transpose of the quantized table
+    table, scale = q["enc"].weight.source
+    x = jnp.arange(3.0) / 3
+
+    def loss(mm):
+        return (mm["dec"](jnp.tanh(mm["enc"](x))) ** 2).sum()
+
+    def hand(s):  # the table by hand from its integers, used at both places
+        w = np.asarray(table, np.float32) * s[:, None]
+        return ((jnp.tanh(x @ w.T + q["enc"].bias) @ w) ** 2).sum()
+
+    np.testing.assert_allclose(loss(q), hand(scale), rtol=1e-6)
+    g = tied.grad(loss, trainable=floats)(q)  # a view over a view that stays a view under tied.grad
+    np.testing.assert_allclose(g["enc"].weight.source[1], jax.grad(hand)(scale), rtol=1e-5, atol=1e-6)
+    assert g["dec"].weight.source is g["enc"].weight
+    np.testing.assert_allclose(tied.jit(loss)(q), hand(scale), rtol=1e-6)
