@@ -339,8 +339,15 @@ def _devices(x: Any) -> frozenset | None:
 
 
 def call(fn: Callable[..., Any], source: Any) -> Any:
-    """``fn(*source)`` for a view of several sources (a tuple), ``fn(source)`` otherwise."""
-    return fn(*source) if type(source) is tuple else fn(source)
+    """``fn(*source)`` for a view of several sources (a tuple), ``fn(source)`` otherwise.
+
+    A source that is itself a view still standing (one that keeps its view, a quantized
+    table, when `tied.grad` materialises the model) is materialised first: ``fn`` is an
+    array function (``tied.transpose`` of a quantized weight).
+    """
+    if type(source) is tuple:
+        return fn(*map(materialize, source))
+    return fn(materialize(source))
 
 
 def _sources(v: View) -> tuple:

@@ -223,6 +223,21 @@ def param_count(tree: Any, per_place: bool = False, *, trainable: Trainable | No
     return _Tally(dag, leaf)(dag.root)[0]
 
 
+def _abstract(dag: _Dag, leaves: list, obj: tuple[str, int]) -> Any:
+    """The shape and dtype of what ``obj`` stands for (a view's result, traced, never computed)."""
+    kind, idx = obj
+    if kind == "array":
+        x = leaves[idx]
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    place, kids = dag.node[idx], dag.children[idx]
+    if place.kind == "tuple":  # the sources of a view of several
+        return tuple(_abstract(dag, leaves, c) for c, _ in kids)
+    if place.kind != "view":
+        raise TypeError(f"a view's source is a {place.type.__name__}")
+    fn, src = place.value, _abstract(dag, leaves, kids[0][0])
+    return jax.eval_shape(lambda s: fn(*s) if type(s) is tuple else fn(s), src)
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -240,7 +255,9 @@ class _Row:
 def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
     leaves, gdef = _read(tree)
     state, cells = gdef.state_leaves(), gdef.state_nodes()
-    param = [is_param(x) and not st for x, st in zip(leaves, state)]
+    # What counts as a parameter is the one rule (`trainable_mask`, as `param_count`): a float
+    # source that a view names as a constant (a quantized table's scales) is not one.
+    param = trainable_mask(gdef, leaves, None)
     dag = _Dag(gdef)
     tally = _Tally(dag, [(_size(x) if p else 0, _nbytes(x)) for x, p in zip(leaves, param)])
     rows: list[_Row] = []
@@ -248,28 +265,27 @@ def _rows(tree: Any) -> tuple[list[_Row], dict[str, int]]:
     def array_row(shown: str, i: int, note: str) -> _Row:
         x = leaves[i]
         kind = "Array" if isinstance(x, jax.Array) else type(x).__name__
-        what = "state" if state[i] else "param" if param[i] else ""
+        what = "state" if state[i] else "param" if param[i] else "frozen" if is_param(x) else ""
         return _Row(shown, kind, what, str(tuple(x.shape)), _dtype(x), _size(x) if param[i] else 0, note)
 
     def node_row(p: Any, params: int, note: str) -> _Row:
         return _Row(p.path, p.type.__name__, "state" if cells[p.index] else "", "", "", params, note)
 
     def view_row(p: Any) -> _Row:
-        j = p.index
-        fn = dag.node[j].value
-        src, _ = dag.children[j][0]
+        src, _ = dag.children[p.index][0]
         shape = dtype = "?"
-        if src[0] == "array":
-            x = leaves[src[1]]
-            params = _size(x) if param[src[1]] else 0
-            try:
-                out = jax.eval_shape(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))
-                shape, dtype = str(tuple(out.shape)), _dtype(out)
-            except Exception:  # a function eval_shape cannot trace: show what we know
-                pass
+        try:
+            out = _abstract(dag, leaves, ("node", p.index))
+            shape, dtype = str(tuple(out.shape)), _dtype(out)
+        except Exception:  # a function eval_shape cannot trace: show what we know
+            pass
+        if src[0] == "node" and dag.node[src[1]].kind == "tuple":  # several sources
+            names = f"({', '.join(dag.first[c] for c, _ in dag.children[src[1]])})"
         else:
-            params = tally(src)[0]
-        return _Row(p.path, "View", "", shape, dtype, params, f"{_fn_name(fn)} of {dag.first[src]}")
+            names = dag.first[src]
+        return _Row(
+            p.path, "View", "", shape, dtype, tally(src)[0], f"{_fn_name(dag.node[p.index].value)} of {names}"
+        )
 
     open_nodes: list[int] = []  # the nodes above the current place, by depth
     under_view: list[bool] = []
@@ -342,9 +358,12 @@ def summary(tree: Any) -> str:
     """A table of the model, one row per place, that shows every tie.
 
     Columns: path, type, kind (``param`` for a parameter, ``state`` for a state
-    cell and the arrays below it), shape, dtype, parameter count at that place,
+    cell and the arrays below it, ``frozen`` for a float source that its view names
+    a constant, such as a quantized table's scales, counted as `param_count` does),
+    shape, dtype (a view's: of what it stands for), parameter count at that place,
     and a note: ``tied to <first path>`` where an array or node was met before
-    (its contents are not listed again), ``<fn> of <source path>`` for a view. A
+    (its contents are not listed again), ``<fn> of <source path>`` for a view
+    (``<fn> of (<path>, <path>)`` for a view of several sources). A
     node's count is everything under it at that place, so the ``<root>`` row
     counts each parameter once per place. The last lines give the parameters and
     array bytes counted once per unique array and once per place, and the state

@@ -72,7 +72,9 @@ class Dequantize:
 
     @property
     def __name__(self) -> str:  # the name checkpoints store and match
-        return f"dequantize{self.bits}"
+        # 4 bits: two values a byte, so tables of 2k-1 and 2k columns have one shape; the name
+        # tells them apart (else a file of 6 columns loads into a model of 5 and drops one).
+        return "dequantize8" if self.bits == 8 else f"dequantize4_cols{self.cols}"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Dequantize and (other.bits, other.cols) == (self.bits, self.cols)

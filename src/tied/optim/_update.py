@@ -365,10 +365,17 @@ def _by_path(state: OptState, path: str, n: int, fn: str) -> list[str]:
     )
 
 
+def _arrays_of(a: Any) -> list:
+    """The arrays ``a`` stands for: itself, or a view's sources (each of several), views seen through."""
+    if not isinstance(a, View):
+        return [a]
+    src = a.source
+    return [x for s in src for x in _arrays_of(s)] if type(src) is tuple else _arrays_of(src)
+
+
 def _by_array(state: OptState, a: Any, n: int, model: Any, fn: str) -> list[str]:
-    target = a
-    while isinstance(target, View):
-        target = target.source
+    targets = _arrays_of(a)
+    target = targets[0]
     if model is None:
         raise ValueError(
             f"tied.optim.{fn}: argument {n} is an array, but the optimiser state holds no parameter "
@@ -377,9 +384,18 @@ def _by_array(state: OptState, a: Any, n: int, model: Any, fn: str) -> list[str]
         )
     leaves, gdef = flatten(model)
     train = match_state(state, leaves, gdef)
-    for s, i in zip(state.spec, train):
-        if leaves[i] is target:
-            return [s.path]
+    found = [s.path for s, i in zip(state.spec, train) if any(leaves[i] is t for t in targets)]
+    if found:  # a view of several sources: its trainable ones (a quantized table's scales, if trained)
+        return found
+    if len(targets) > 1:
+        at = [i for t in targets for i, x in enumerate(leaves) if x is t]
+        names = ", ".join(f"{gdef.leaf_paths()[i][0]} ({leaves[i].dtype})" for i in dict.fromkeys(at))
+        raise ValueError(
+            f"tied.optim.{fn}: argument {n} (a tied.View of {len(targets)} sources) holds no trainable "
+            f"parameter: its sources {names or '(none of them in the model)'} are not in the optimiser "
+            "state (an integer table is never trained; a quantized table's scales are constants unless "
+            "tied.optim.setup(..., trainable=) selects them). Nothing to do: leave it out."
+        )
     shape, dtype = getattr(target, "shape", None), getattr(target, "dtype", None)
     at = [i for i, x in enumerate(leaves) if x is target]
     if at and gdef.state_leaves()[at[0]]:
@@ -458,7 +474,8 @@ def freeze(state: OptState, *where: str | Any, model: Any = None) -> OptState:
       ``d.weight``; ``".enc1"`` is the whole layer). A prefix matches at a
       path-segment boundary: ``.layers[1]`` does not select ``.layers[10]``.
       Flax NNX parameters sit at ``.block.kernel.value``.
-    - an array (or a `tied.View` of it, meaning its source) freezes that parameter;
+    - an array (or a `tied.View` of it, meaning its source; for a view of several
+      sources, those of them that are trainable) freezes that parameter;
     - a node (a layer object) freezes every parameter it holds.
 
     Freezing through one place freezes the parameter everywhere. A frozen
