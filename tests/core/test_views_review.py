@@ -3,22 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import tied
 from tied.nn import Dense
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="tied.grad of tied.scan over a Stack whose members each hold tied.transpose of one "
-    "broadcast array (a per-member view, so a stacked view node, over a broadcast source): the "
-    "materialised transpose (in, out) is handed to jax.lax.scan as a stacked array, and scan "
-    "refuses its leading axis ('scan got length 3 which disagrees with leading axis sizes [4, 3, "
-    "3]'); eager tied.scan is right. Same with a quantized broadcast table. Lives in "
-    "src/tied/_transforms/lifted.py / stack.py (the stacked flags of a view over a broadcast source).",
-)
 def test_grad_of_scan_over_members_that_each_transpose_one_broadcast_array():
     w = jax.random.normal(jax.random.key(0), (5, 4))
     keys = jax.random.split(jax.random.key(1), 3)
