@@ -49,13 +49,13 @@ def _sizes(base: Any) -> tuple[int, int]:
     return int(in_size), int(out_size)
 
 
-def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any, stacked: bool = False) -> None:
-    """Refuse a base LoRA cannot adapt or a rank out of range (``stacked``: a layer below a Stack's
-    member, whose weight may carry the leading axis)."""
+def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any, stacked: int = 0) -> None:
+    """Refuse a base LoRA cannot adapt or a rank out of range (``stacked``: how many Stacks' members
+    the layer lies below; its weight may carry one leading axis for each)."""
     if not isinstance(base, _ADAPTABLE):
         raise _refusal(who, place, base)
     ndim = len(tuple(base.weight.shape))
-    if not (ndim == 2 or (stacked and ndim == 3)):  # a stacked layer's weight, or a broadcast one's
+    if not 2 <= ndim <= 2 + stacked:  # a stacked layer's weight, or a broadcast one's
         raise ValueError(
             f"{who}: {where(place) if place is not None else 'the base'} has a weight of shape "
             f"{tuple(base.weight.shape)}; a LoRA adapts a (out, in) weight. A layer of a tied.Stack "
@@ -212,12 +212,11 @@ def _select(model: Any, where_: Where, places: Places, walk: list, who: str) -> 
     node_at = {p.path: p for p in walk if p.kind not in ("array", "static")}
     if callable(where_) and not isinstance(where_, str):
         return [
-            p.path
-            for p in walk
-            if p.path in node_at
-            and issubclass(p.type, _ADAPTABLE)
-            and _inside_lora(p.path, places, node_at) is None
-            and where_(p.path, get(model, places.steps[p.path], places))
+            q
+            for asked, q in _asked(places.gdef, walk, node_at)
+            if issubclass(node_at[q].type, _ADAPTABLE)
+            and _inside_lora(q, places, node_at) is None
+            and where_(asked, get(model, places.steps[q], places))
         ]
     paths = [where_] if isinstance(where_, str) else list(where_)
     if not all(isinstance(p, str) for p in paths):
@@ -241,6 +240,27 @@ def _select(model: Any, where_: Where, places: Places, walk: list, who: str) -> 
     return out
 
 
+def _asked(gdef: Any, walk: list, node_at: dict) -> list[tuple[str, str]]:
+    """Every node place a predicate is asked at, with the place of ``walk`` that is the same slot.
+
+    In a model with a reference cycle ``walk`` (and `Places`) go below each node's first place
+    only; the predicate is still asked at every place (a layer in a shared container's later
+    place, a reference back not followed), so that a cycle elsewhere never makes it skip one.
+    """
+    first: dict = {}
+    for p in walk:
+        if p.kind not in ("array", "static"):
+            first.setdefault((p.parent, repr(p.key)), p.path)
+    out = []
+    for p in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        if p.kind in ("array", "static"):
+            continue
+        q = p.path if p.path in node_at else first.get((p.parent, repr(p.key)))
+        if q is not None:
+            out.append((p.path, q))
+    return out
+
+
 def _inside_lora(path: str, places: Places, node_at: dict) -> str | None:
     steps = places.steps[path]
     for k in range(len(steps)):
@@ -248,6 +268,16 @@ def _inside_lora(path: str, places: Places, node_at: dict) -> str | None:
         if above is not None and issubclass(above.type, LoRA):
             return above.path
     return None
+
+
+def _stacks_above(path: str, places: Places, node_at: dict) -> int:
+    """How many `tied.Stack`s ``path`` lies below (a Stack of Stacks: two)."""
+    steps = places.steps[path]
+    return sum(
+        1
+        for k in range(len(steps))
+        if (above := node_at.get("".join(steps[:k]))) is not None and issubclass(above.type, Stack)
+    )
 
 
 def _stack_of(path: str, places: Places, node_at: dict) -> int | None:
@@ -328,7 +358,7 @@ def lora(model: Any, where: Where, rank: int, *, alpha: float | None = None, key
         )
     node_at = _index(places, walk)
     for path in selected:  # every refusal before any work, naming the place in the model
-        stacked = _stack_of(path, places, node_at) is not None
+        stacked = _stacks_above(path, places, node_at)
         _check(who, path, get(model, places.steps[path], places), rank, alpha, stacked)
     targets = [(path, jax.random.fold_in(key, k)) for k, path in enumerate(selected)]
     return _adapt(unflatten(gdef, leaves), places, _index(places, walk), targets, rank, alpha, who)

@@ -1,0 +1,54 @@
+"""Review of tied.nn.lora and merge (issue 35): a Stack of Stacks, and a predicate in a model with a
+reference cycle. References: numpy by hand over the original arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tied
+from tied.nn import Dense, LoRA
+
+
+def test_lora_in_a_stack_of_stacks_gets_one_adapter_per_inner_member_and_merges_by_numpy():
+    # outer 3 x inner 2 members, each its own Dense: the layer's weight is (3, 2, 4, 4)
+    dense = [[Dense(4, 4, key=jax.random.key(10 * i + j)) for j in range(2)] for i in range(3)]
+    model = {"s": tied.stack([{"in": tied.stack([{"lin": d} for d in row])} for row in dense])}
+    adapted = tied.nn.lora(model, "['s'].member['in'].member['lin']", 2, alpha=4, key=jax.random.key(9))
+    q = adapted["s"].member["in"].member["lin"]
+    assert isinstance(q, LoRA) and q.lora_A.shape == (3, 2, 2, 4) and q.lora_B.shape == (3, 2, 4, 2)
+    a = np.asarray(q.lora_A).reshape(6, 2, 4)
+    assert len({a_k.tobytes() for a_k in a}) == 6  # one draw per (outer, inner) member
+    assert np.all(np.abs(a) <= 0.5)  # peft's init: uniform in +-1/sqrt(in)
+    for i in range(3):  # the base, bit for bit
+        for j in range(2):
+            np.testing.assert_array_equal(np.asarray(q.base.weight[i, j]), np.asarray(dense[i][j].weight))
+    bs = jax.random.normal(jax.random.key(3), (3, 2, 4, 2))
+    adapted = tied.replace(adapted, "['s'].member['in'].member['lin'].lora_B", bs)
+    merged = tied.nn.merge(adapted)
+    got = np.asarray(merged["s"].member["in"].member["lin"].weight)
+    for i in range(3):
+        for j in range(2):
+            want = np.asarray(dense[i][j].weight) + 2.0 * np.asarray(bs[i, j]) @ np.asarray(q.lora_A[i, j])
+            np.testing.assert_allclose(got[i, j], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_predicate_is_asked_at_every_place_of_a_shared_container_in_a_model_with_a_cycle():
+    d = Dense(3, 3, key=jax.random.key(0))
+    box = {"q": d}
+    x = jnp.arange(3.0)[None]
+    for cycle in (False, True):
+        model = {"p": box, "r": box}
+        if cycle:
+            model["me"] = model  # a reference cycle elsewhere must not change what is selected
+        adapted = tied.nn.lora(model, lambda path, layer: path == "['r']['q']", 2, key=jax.random.key(1))
+        layer = adapted["r"]["q"]
+        assert isinstance(layer, LoRA) and adapted["p"]["q"] is layer  # one slot of one container
+        layer.lora_B = jnp.ones((3, 2))
+        want = (
+            x @ np.asarray(d.weight).T
+            + np.asarray(d.bias)
+            + (x @ np.asarray(layer.lora_A).T) @ np.ones((2, 3))
+        )
+        np.testing.assert_allclose(np.asarray(layer(x)), want, rtol=1e-6)
