@@ -52,3 +52,37 @@ def test_a_predicate_is_asked_at_every_place_of_a_shared_container_in_a_model_wi
             + (x @ np.asarray(layer.lora_A).T) @ np.ones((2, 3))
         )
         np.testing.assert_allclose(np.asarray(layer(x)), want, rtol=1e-6)
+
+
+def _one_adapter():
+    d = Dense(4, 4, key=jax.random.key(0))
+    adapter = LoRA(d, 2, key=jax.random.key(1))
+    adapter.lora_B = jax.random.normal(jax.random.key(2), (4, 2))
+    want = np.asarray(d.weight) + np.asarray(adapter.lora_B) @ np.asarray(adapter.lora_A)
+    return d, adapter, want
+
+
+def test_merge_of_one_adapter_broadcast_across_a_stack_and_held_outside_keeps_it_one_layer():
+    d, adapter, want = _one_adapter()
+    model = {
+        "s": tied.stack([{"lin": adapter, "w": jnp.full(4, float(i))} for i in range(3)]),
+        "out": adapter,
+    }
+    assert tied.ties(model) == [("['out']", "['s'].member['lin']")]
+    merged = tied.nn.merge(model)
+    assert merged["s"].member["lin"] is merged["out"]  # one adapter at two places: one merged layer
+    assert tied.ties(merged) == [("['out']", "['s'].member['lin']")]
+    assert "['lin'].weight" not in merged["s"].stacked  # broadcast, not n copies
+    np.testing.assert_allclose(np.asarray(merged["out"].weight), want, rtol=1e-6, atol=1e-6)
+    assert merged["out"].bias is d.bias and model["out"] is adapter  # the model given is unchanged
+
+
+def test_merge_of_an_adapter_in_a_container_broadcast_across_a_stack():
+    d, adapter, want = _one_adapter()
+    box = {"lin": adapter}
+    model = {"s": tied.stack([{"box": box, "w": jnp.full(4, float(i))} for i in range(3)])}
+    merged = tied.nn.merge(model)  # was refused: "cannot hold one adapter per member"
+    layer = merged["s"].member["box"]["lin"]
+    assert isinstance(layer, Dense) and layer.weight.shape == (4, 4)
+    np.testing.assert_allclose(np.asarray(layer.weight), want, rtol=1e-6, atol=1e-6)
+    assert box["lin"] is adapter  # the model given is unchanged

@@ -400,11 +400,12 @@ def _adapt_member(member: Any, targets: list, rank: Any, alpha: Any, who: str) -
 
 def _per_member(s: Stack, rel: dict, fn: Callable, who: str) -> Stack:
     """``tied.stack([fn(member_i, targets_i) ...])`` over ``tied.unstack(s)``; ``rel`` maps each
-    target's steps below the member to its (key, path in the model)."""
+    target's steps below the member to its (key, path in the model). Merging (``key`` None) may
+    write into a broadcast container: its one LoRA becomes one merged layer for every member."""
     members = unstack(s)
     n = len(members)
-    for steps, (_, path) in rel.items():
-        if steps:
+    for steps, (k, path) in rel.items():
+        if steps and k is not None:
             parents = [get(m, steps[:-1], Places(flatten(m)[1])) for m in members]
             if len({id(p) for p in parents}) < n:
                 raise ValueError(
@@ -458,11 +459,13 @@ def merge(model: Any) -> Any:
     if not any(p.kind not in ("array", "static") and issubclass(p.type, LoRA) for p in walk):
         return model
     places = Places(gdef)
-    return _merge(unflatten(gdef, leaves), places, _index(places, walk))
+    return _merge(unflatten(gdef, leaves), places, _index(places, walk), {})
 
 
-def _merge(root: Any, places: Places, node_at: dict) -> Any:
-    merged: dict = {}
+def _merge(root: Any, places: Places, node_at: dict, merged: dict) -> Any:
+    """Merge every LoRA of ``root`` (a fresh copy, written in place); ``merged`` maps id(LoRA) to
+    (the LoRA, its merged layer) across the members of Stacks too, so that one LoRA (broadcast
+    across a Stack, and held outside it) becomes one merged layer at all its places."""
     stacks: dict = {}
     for path, p in node_at.items():
         if not issubclass(p.type, LoRA) or _inside_lora(path, places, node_at) is not None:
@@ -473,20 +476,23 @@ def _merge(root: Any, places: Places, node_at: dict) -> Any:
             s = node_at["".join(steps[:depth])]
             stacks.setdefault(s.index, (steps[:depth], {}))[1].setdefault(steps[depth + 1 :], (None, path))
             continue
-        if p.index not in merged:
-            merged[p.index] = _folded(get(root, steps, places), path)
-        root = put(root, steps, merged[p.index], places)
+        adapter = get(root, steps, places)
+        if id(adapter) not in merged:
+            merged[id(adapter)] = (adapter, _folded(adapter, path))
+        root = put(root, steps, merged[id(adapter)][1], places)
     for stack_steps, rel in stacks.values():
-        new = _per_member(get(root, stack_steps, places), rel, lambda m, _: _merge_member(m), "tied.nn.merge")
+        new = _per_member(
+            get(root, stack_steps, places), rel, lambda m, _: _merge_member(m, merged), "tied.nn.merge"
+        )
         for q in sorted(places.same_object("".join(stack_steps)), key=len, reverse=True):
             root = put(root, places.steps[q], new, places)
     return root
 
 
-def _merge_member(member: Any) -> Any:
+def _merge_member(member: Any, merged: dict) -> Any:
     leaves, gdef = flatten(member)
     places = Places(gdef)
-    return _merge(member, places, _index(places, _walk(gdef)))
+    return _merge(member, places, _index(places, _walk(gdef)), merged)
 
 
 def _folded(adapter: LoRA, path: str) -> Any:
