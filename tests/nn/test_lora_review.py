@@ -124,3 +124,20 @@ def test_stacked_adapters_on_a_transposed_tied_decoder_train_as_the_unrolled_loo
     np.testing.assert_allclose(float(value), float(unrolled(a_s, bs)), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(g["s"].member["dec"].lora_A), np.asarray(ga), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(np.asarray(g["s"].member["dec"].lora_B), np.asarray(gb), rtol=1e-4, atol=1e-6)
+
+
+def test_merge_of_an_adapter_in_a_container_shared_at_two_places_inside_and_outside_a_stack():
+    d, adapter, want = _one_adapter()
+    box = {"lin": adapter}
+    merged = tied.nn.merge({"a": box, "b": box})  # one slot of one container: merged once
+    assert merged["a"] is merged["b"] and isinstance(merged["a"]["lin"], Dense)
+    np.testing.assert_allclose(np.asarray(merged["b"]["lin"].weight), want, rtol=1e-6, atol=1e-6)
+    boxes = [
+        {"lin": LoRA(Dense(4, 4, key=jax.random.key(i)), 2, key=jax.random.key(5 + i))} for i in range(3)
+    ]
+    model = {"s": tied.stack([{"a": b, "b": b} for b in boxes])}
+    merged = tied.nn.merge(model)
+    layer = merged["s"].member["b"]["lin"]
+    assert merged["s"].member["a"] is merged["s"].member["b"] and layer.weight.shape == (3, 4, 4)
+    for i, b in enumerate(boxes):  # lora_B is zeros: the merged weight is the base's
+        np.testing.assert_allclose(np.asarray(layer.weight[i]), np.asarray(b["lin"].base.weight), atol=1e-7)

@@ -477,6 +477,8 @@ def _merge(root: Any, places: Places, node_at: dict, merged: dict) -> Any:
             stacks.setdefault(s.index, (steps[:depth], {}))[1].setdefault(steps[depth + 1 :], (None, path))
             continue
         adapter = get(root, steps, places)
+        if not isinstance(adapter, LoRA):  # a slot of a shared container, merged at its other place
+            continue
         if id(adapter) not in merged:
             merged[id(adapter)] = (adapter, _folded(adapter, path))
         root = put(root, steps, merged[id(adapter)][1], places)
