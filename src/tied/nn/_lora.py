@@ -49,13 +49,13 @@ def _sizes(base: Any) -> tuple[int, int]:
     return int(in_size), int(out_size)
 
 
-def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any, stacked: bool = False) -> None:
-    """Refuse a base LoRA cannot adapt or a rank out of range (``stacked``: a layer below a Stack's
-    member, whose weight may carry the leading axis)."""
+def _check(who: str, place: str | None, base: Any, rank: Any, alpha: Any, stacked: int = 0) -> None:
+    """Refuse a base LoRA cannot adapt or a rank out of range (``stacked``: how many Stacks' members
+    the layer lies below; its weight may carry one leading axis for each)."""
     if not isinstance(base, _ADAPTABLE):
         raise _refusal(who, place, base)
     ndim = len(tuple(base.weight.shape))
-    if not (ndim == 2 or (stacked and ndim == 3)):  # a stacked layer's weight, or a broadcast one's
+    if not 2 <= ndim <= 2 + stacked:  # a stacked layer's weight, or a broadcast one's
         raise ValueError(
             f"{who}: {where(place) if place is not None else 'the base'} has a weight of shape "
             f"{tuple(base.weight.shape)}; a LoRA adapts a (out, in) weight. A layer of a tied.Stack "
@@ -212,12 +212,11 @@ def _select(model: Any, where_: Where, places: Places, walk: list, who: str) -> 
     node_at = {p.path: p for p in walk if p.kind not in ("array", "static")}
     if callable(where_) and not isinstance(where_, str):
         return [
-            p.path
-            for p in walk
-            if p.path in node_at
-            and issubclass(p.type, _ADAPTABLE)
-            and _inside_lora(p.path, places, node_at) is None
-            and where_(p.path, get(model, places.steps[p.path], places))
+            q
+            for asked, q in _asked(places.gdef, walk, node_at)
+            if issubclass(node_at[q].type, _ADAPTABLE)
+            and _inside_lora(q, places, node_at) is None
+            and where_(asked, get(model, places.steps[q], places))
         ]
     paths = [where_] if isinstance(where_, str) else list(where_)
     if not all(isinstance(p, str) for p in paths):
@@ -241,6 +240,27 @@ def _select(model: Any, where_: Where, places: Places, walk: list, who: str) -> 
     return out
 
 
+def _asked(gdef: Any, walk: list, node_at: dict) -> list[tuple[str, str]]:
+    """Every node place a predicate is asked at, with the place of ``walk`` that is the same slot.
+
+    In a model with a reference cycle ``walk`` (and `Places`) go below each node's first place
+    only; the predicate is still asked at every place (a layer in a shared container's later
+    place, a reference back not followed), so that a cycle elsewhere never makes it skip one.
+    """
+    first: dict = {}
+    for p in walk:
+        if p.kind not in ("array", "static"):
+            first.setdefault((p.parent, repr(p.key)), p.path)
+    out = []
+    for p in gdef.walk_places(expand_shared=True, cut_cycles=True):
+        if p.kind in ("array", "static"):
+            continue
+        q = p.path if p.path in node_at else first.get((p.parent, repr(p.key)))
+        if q is not None:
+            out.append((p.path, q))
+    return out
+
+
 def _inside_lora(path: str, places: Places, node_at: dict) -> str | None:
     steps = places.steps[path]
     for k in range(len(steps)):
@@ -248,6 +268,16 @@ def _inside_lora(path: str, places: Places, node_at: dict) -> str | None:
         if above is not None and issubclass(above.type, LoRA):
             return above.path
     return None
+
+
+def _stacks_above(path: str, places: Places, node_at: dict) -> int:
+    """How many `tied.Stack`s ``path`` lies below (a Stack of Stacks: two)."""
+    steps = places.steps[path]
+    return sum(
+        1
+        for k in range(len(steps))
+        if (above := node_at.get("".join(steps[:k]))) is not None and issubclass(above.type, Stack)
+    )
 
 
 def _stack_of(path: str, places: Places, node_at: dict) -> int | None:
@@ -328,7 +358,7 @@ def lora(model: Any, where: Where, rank: int, *, alpha: float | None = None, key
         )
     node_at = _index(places, walk)
     for path in selected:  # every refusal before any work, naming the place in the model
-        stacked = _stack_of(path, places, node_at) is not None
+        stacked = _stacks_above(path, places, node_at)
         _check(who, path, get(model, places.steps[path], places), rank, alpha, stacked)
     targets = [(path, jax.random.fold_in(key, k)) for k, path in enumerate(selected)]
     return _adapt(unflatten(gdef, leaves), places, _index(places, walk), targets, rank, alpha, who)
@@ -370,11 +400,12 @@ def _adapt_member(member: Any, targets: list, rank: Any, alpha: Any, who: str) -
 
 def _per_member(s: Stack, rel: dict, fn: Callable, who: str) -> Stack:
     """``tied.stack([fn(member_i, targets_i) ...])`` over ``tied.unstack(s)``; ``rel`` maps each
-    target's steps below the member to its (key, path in the model)."""
+    target's steps below the member to its (key, path in the model). Merging (``key`` None) may
+    write into a broadcast container: its one LoRA becomes one merged layer for every member."""
     members = unstack(s)
     n = len(members)
-    for steps, (_, path) in rel.items():
-        if steps:
+    for steps, (k, path) in rel.items():
+        if steps and k is not None:
             parents = [get(m, steps[:-1], Places(flatten(m)[1])) for m in members]
             if len({id(p) for p in parents}) < n:
                 raise ValueError(
@@ -428,11 +459,13 @@ def merge(model: Any) -> Any:
     if not any(p.kind not in ("array", "static") and issubclass(p.type, LoRA) for p in walk):
         return model
     places = Places(gdef)
-    return _merge(unflatten(gdef, leaves), places, _index(places, walk))
+    return _merge(unflatten(gdef, leaves), places, _index(places, walk), {})
 
 
-def _merge(root: Any, places: Places, node_at: dict) -> Any:
-    merged: dict = {}
+def _merge(root: Any, places: Places, node_at: dict, merged: dict) -> Any:
+    """Merge every LoRA of ``root`` (a fresh copy, written in place); ``merged`` maps id(LoRA) to
+    (the LoRA, its merged layer) across the members of Stacks too, so that one LoRA (broadcast
+    across a Stack, and held outside it) becomes one merged layer at all its places."""
     stacks: dict = {}
     for path, p in node_at.items():
         if not issubclass(p.type, LoRA) or _inside_lora(path, places, node_at) is not None:
@@ -443,20 +476,25 @@ def _merge(root: Any, places: Places, node_at: dict) -> Any:
             s = node_at["".join(steps[:depth])]
             stacks.setdefault(s.index, (steps[:depth], {}))[1].setdefault(steps[depth + 1 :], (None, path))
             continue
-        if p.index not in merged:
-            merged[p.index] = _folded(get(root, steps, places), path)
-        root = put(root, steps, merged[p.index], places)
+        adapter = get(root, steps, places)
+        if not isinstance(adapter, LoRA):  # a slot of a shared container, merged at its other place
+            continue
+        if id(adapter) not in merged:
+            merged[id(adapter)] = (adapter, _folded(adapter, path))
+        root = put(root, steps, merged[id(adapter)][1], places)
     for stack_steps, rel in stacks.values():
-        new = _per_member(get(root, stack_steps, places), rel, lambda m, _: _merge_member(m), "tied.nn.merge")
+        new = _per_member(
+            get(root, stack_steps, places), rel, lambda m, _: _merge_member(m, merged), "tied.nn.merge"
+        )
         for q in sorted(places.same_object("".join(stack_steps)), key=len, reverse=True):
             root = put(root, places.steps[q], new, places)
     return root
 
 
-def _merge_member(member: Any) -> Any:
+def _merge_member(member: Any, merged: dict) -> Any:
     leaves, gdef = flatten(member)
     places = Places(gdef)
-    return _merge(member, places, _index(places, _walk(gdef)))
+    return _merge(member, places, _index(places, _walk(gdef)), merged)
 
 
 def _folded(adapter: LoRA, path: str) -> Any:
