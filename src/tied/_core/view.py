@@ -383,6 +383,10 @@ def _transpose(x):
 
 
 _transpose.__name__ = "transpose"
+# It reads the last two axes only, so on a tied.Stack's stacked source (a leading layer axis) it
+# gives each member's view stacked: the one view function a Stack may hold per member. Told by
+# this mark, never by the name (jnp.transpose is also called "transpose" and reverses every axis).
+_transpose.maps_over_leading_axes = True
 
 
 def transpose(source: Any) -> View:

@@ -414,7 +414,11 @@ def _views_over_stacked(places: list, node_stacked: list) -> None:
     stack is read whole (a gradient materialises views): only `tied.transpose`, which reads
     the last two axes, gives the same there. Anything else is refused, never misread."""
     for p in places:
-        if p.kind == "view" and node_stacked[p.index] and getattr(p.value, "__name__", None) != "transpose":
+        if (
+            p.kind == "view"
+            and node_stacked[p.index]
+            and not getattr(p.value, "maps_over_leading_axes", False)
+        ):
             raise ValueError(
                 f"tied.stack: the view at {where(p.path)} is each member's own view of its own array; "
                 "a view other than tied.transpose cannot be stacked (its function would be applied to "
