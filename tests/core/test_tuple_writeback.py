@@ -10,7 +10,6 @@ alike, and Adam written out by hand.
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -121,7 +120,11 @@ class Frozen:
     "make, path",
     [
         (lambda w: (w, jnp.zeros(2)), r"\[0\]: .*tuple \(tuple\) held by no container"),
-        (lambda w: {"ok": (w,), "f": Frozen((w,))}, r"\['f'\]\.pair: .*frozen dataclass \(Frozen\) \(this tuple holds the array written at \['f'\]\.pair\[0\]\)"),
+        (
+            lambda w: {"ok": (w,), "f": Frozen((w,))},
+            r"\['f'\]\.pair: .*frozen dataclass \(Frozen\) "
+            r"\(this tuple holds the array written at \['f'\]\.pair\[0\]\)",
+        ),
     ],
     ids=["the-model-is-a-tuple", "a-tuple-also-held-by-a-frozen-dataclass"],
 )

@@ -265,7 +265,9 @@ def _check_rebuilt(path: str, node: _Open, holders: dict, checked: set, action: 
         raise _transient_error(path, node.obj, action)
     for up, _, at in holders[node.place.index]:
         if up is None:
-            raise _immutable_error(path, node.kind, node.obj, action, " held by no container that can be written")
+            raise _immutable_error(
+                path, node.kind, node.obj, action, " held by no container that can be written"
+            )
         if not _holds_in_place(up):
             _check_rebuilt(path, up, holders, checked, action, frozen_ok)
         elif not up.kind.can_write(up.meta) or (not frozen_ok and _is_frozen_dataclass(up.obj)):
