@@ -146,15 +146,6 @@ def test_a_4_bit_file_of_another_column_count_is_refused_not_loaded(tmp_path):
     assert tied.materialize(back["d"].weight).shape == six.shape
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tied.GraphError,
-    reason="tied.jit(donate_argnums=...) hands a donated argument's arrays back and writes them into "
-    "the caller's objects; a quantized table's arrays sit in the view's source tuple, which cannot be "
-    "written, so any donated model holding a view of several sources (or any tuple of arrays) is "
-    "refused with a GraphError (src/tied/_transforms/jit.py / _core/writeback.py: the donated-but-"
-    "not-returned write-back should skip or rebuild immutable containers). Loud, not silent.",
-)
 def test_a_quantized_model_can_be_donated_to_tied_jit():
     q = tied.nn.quantize(Dense(4, 3, key=jax.random.key(1)), "")
     want = np.asarray(tied.materialize(q.weight)) @ np.ones(4) + np.asarray(q.bias)
@@ -163,15 +154,6 @@ def test_a_quantized_model_can_be_donated_to_tied_jit():
     np.testing.assert_allclose(q(jnp.ones(4)), want, rtol=1e-6)  # still usable: not rebound
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tied.GraphError,
-    reason="tied.optim.update_inplace (and tied.jit's write-back) write a new array into the live "
-    "container of its place; a quantized table's scales sit in the view's source tuple, which cannot "
-    "be written, so training the scales in place is refused (eagerly, assigning view.source works). "
-    "Lives in _core/live.py / writeback (writing into a View's source tuple could rebuild the tuple "
-    "and set View.source, once per view). Loud, not silent: tied.optim.update works.",
-)
 def test_scales_trained_in_place_by_update_inplace():
     q = tied.nn.quantize({"d": Dense(3, 2, key=jax.random.key(0))}, "['d']")
     table, scale = q["d"].weight.source

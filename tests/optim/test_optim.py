@@ -967,7 +967,8 @@ def test_update_inplace_with_dicts_and_dataclasses():
 @pytest.mark.parametrize(
     "make, path",
     [
-        (lambda w: {"ok": [w], "pair": (w, jnp.zeros(2))}, r"\['pair'\]\[0\]"),
+        # a tuple held by a mutable container is written as a new tuple; one that is the model is not
+        (lambda w: (w, {"ok": [w]}), r"\[0\]"),
         (lambda w: [w, eqx.nn.Linear(2, 2, key=jax.random.key(0))], r"\[1\]\.weight"),
     ],
     ids=["tuple", "equinox"],

@@ -102,7 +102,14 @@ def _is_frozen_dataclass(obj: Any) -> bool:
 
 
 def slots(
-    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool, _record: Any = None
+    model: Any,
+    gdef: GraphDef,
+    which: Sequence[int],
+    *,
+    action: str,
+    frozen_ok: bool,
+    rebuild: bool = False,
+    _record: Any = None,
 ) -> list[list[Slot]]:
     """For each unique array index in ``which``, a `Slot` for every place of it in ``model``.
 
@@ -111,13 +118,21 @@ def slots(
     pair, so a place below a shared node is one slot (writing it reaches all the
     node's places).
 
+    With ``rebuild``, a place in a tuple or namedtuple (a view's sources) is written by
+    putting a new tuple into the nearest containers that can be written, at every place
+    of that tuple (one new tuple for all of them: a tie is kept), as eager code that
+    assigns a new tuple does (`_RebuiltSlot`). Without it (`tied.gradient`, which must
+    put back the very objects it found) such a place is refused.
+
     Raises:
         GraphError: before anything is written, naming the path of the first
             place that cannot be written: the model is a bare array; the place
             is in a tuple, namedtuple or JAX pytree node (an Equinox module); it
             is in a frozen dataclass (unless ``frozen_ok``); or its container is
             made anew each time the model is walked (a pytree whose flatten
-            builds a list), so writing into it would not reach the model.
+            builds a list), so writing into it would not reach the model. With
+            ``rebuild``, a tuple is refused only where one of its places (or that of a
+            tuple holding it) is not in a container that can be written.
     """
     wanted = {q: n for n, q in enumerate(which)}
     out: list[list[Slot]] = [[] for _ in which]
@@ -128,7 +143,12 @@ def slots(
     opened: dict[int, _Open] = {}
     state = gdef.state_leaves()
     shared: list = []  # the nodes of two or more places, found when a cell's value is written
+    holders: dict[int, list] = {}  # a tuple's index: (the node holding it, position) per place
+    rebuilt: list = []  # the `_RebuiltSlot`s, checked once every place of their tuples is known
     for place in gdef.walk_places():
+        if rebuild and place.kind in _REBUILT:
+            parent = opened[place.parent] if place.parent >= 0 else None
+            holders.setdefault(place.index, []).append((parent, parent.next if parent else -1, place.path))
         if place.parent < 0:
             obj, twin, node, pos = model, None, None, -1
             if place.kind == "array" and place.index in wanted:
@@ -153,6 +173,9 @@ def slots(
                     # Below a state cell's value: the cell gets a rebuilt value, so a container
                     # of the old value (a snapshot the caller kept) is never changed in place.
                     slot = _cell_slot(place, node, i, gdef, shared) if in_value else None
+                    if slot is None and rebuild and kind.name in _REBUILT:
+                        slot = _RebuiltSlot(place.path, node, i, holders)
+                        rebuilt.append(slot)
                     if slot is None:
                         raise _immutable_error(place.path, kind, node.obj, action)
                 elif not frozen_ok and _is_frozen_dataclass(node.obj):
@@ -169,9 +192,90 @@ def slots(
             continue
         opened[place.index] = new = _Open(obj, KIND_BY_NAME[place.kind], twin, place, node)
         new.pos = pos
+    checked: set[int] = set()
+    for slot in rebuilt:
+        _check_rebuilt(slot.path, slot._node, holders, checked, action, frozen_ok)
     if _record is not None:
         _record.append(opened)
     return out
+
+
+_REBUILT = ("tuple", "namedtuple")  # immutable kinds that store their children: rebuilt when written
+
+
+def _holds_in_place(node: _Open) -> bool:
+    """Whether ``node`` (a holder of a rebuilt tuple) takes the new tuple in place."""
+    return node.kind.name not in _REBUILT
+
+
+class _RebuiltSlot:
+    """A place in a tuple (or namedtuple) the model holds, written by putting a new tuple,
+    with the new value at this position, into every place of the old one (tuples holding
+    it are rebuilt in turn up to the containers that can be written): every place gets the
+    one new tuple, so a tie is kept. Each write reads what the places hold now, so two
+    writes into one tuple make one tuple with both values."""
+
+    __slots__ = ("path", "_node", "_i", "_holders")
+
+    def __init__(self, path: str, node: _Open, i: int, holders: dict):
+        self.path, self._node, self._i, self._holders = path, node, i, holders
+
+    def __call__(self, value: Any) -> None:
+        _put(self._node, _with(self._node, _now(self._node, self._holders), self._i, value), self._holders)
+
+    def get(self, cache: dict | None = None) -> Any:
+        try:
+            children, meta = self._node.kind.children(_now(self._node, self._holders))
+        except Exception:
+            return CHANGED
+        if meta != self._node.meta or self._i >= len(children):
+            return CHANGED
+        return children[self._i]
+
+
+def _now(node: _Open, holders: dict) -> Any:
+    """What the first place of the tuple ``node`` holds now."""
+    up, pos, _ = holders[node.place.index][0]
+    held = up.obj if _holds_in_place(up) else _now(up, holders)
+    return up.kind.children(held)[0][pos]
+
+
+def _with(node: _Open, tup: Any, i: int, value: Any) -> Any:
+    children = list(node.kind.children(tup)[0])
+    children[i] = value
+    return node.kind.make(node.meta, children)
+
+
+def _put(node: _Open, new: Any, holders: dict) -> None:
+    """Put the tuple ``new`` at every place of the tuple ``node``."""
+    for up, pos, _ in holders[node.place.index]:
+        if _holds_in_place(up):
+            up.kind.setter(up.meta, up.obj, pos)(new)
+        else:
+            _put(up, _with(up, _now(up, holders), pos, new), holders)
+
+
+def _check_rebuilt(path: str, node: _Open, holders: dict, checked: set, action: str, frozen_ok: bool) -> None:
+    """Refuse, before anything is written, a tuple (at the array place ``path``) with a place
+    that takes no new tuple: the model itself, a container that cannot be written, one made
+    anew by each walk."""
+    if node.place.index in checked:
+        return
+    if node.twin is not None:
+        raise _transient_error(path, node.obj, action)
+    for up, _, at in holders[node.place.index]:
+        if up is None:
+            raise _immutable_error(
+                path, node.kind, node.obj, action, " held by no container that can be written"
+            )
+        if not _holds_in_place(up):
+            _check_rebuilt(path, up, holders, checked, action, frozen_ok)
+        elif not up.kind.can_write(up.meta) or (not frozen_ok and _is_frozen_dataclass(up.obj)):
+            how = f" (this {node.kind.name} holds the array written at {path or '<root>'})"
+            raise _immutable_error(at, up.kind, up.obj, action, how)
+        elif up.twin is not None:
+            raise _transient_error(at, up.obj, action)
+    checked.add(node.place.index)
 
 
 class _CellSlot:
@@ -273,7 +377,7 @@ class _Open:
         self.twins = [b if a is not b else None for a, b in zip(self.children, again)]
 
 
-def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError:
+def _immutable_error(path: str, kind: Kind, obj: Any, action: str, how: str = "") -> GraphError:
     what = "frozen dataclass" if kind.writable else kind.name
     if action == "tied.gradient":
         fix = (
@@ -289,7 +393,7 @@ def _immutable_error(path: str, kind: Kind, obj: Any, action: str) -> GraphError
         )
     return GraphError(
         f"{action} writes new arrays into the model's own containers, "
-        f"but this place is in a {what} ({type(obj).__name__}), which cannot be "
+        f"but this place is in a {what} ({type(obj).__name__}){how}, which cannot be "
         f"changed in place. Nothing was written. {fix}",
         path,
     )
@@ -374,12 +478,14 @@ class WritePlan:
         return True
 
 
-def write_plan(model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool):
+def write_plan(
+    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool, rebuild: bool = False
+):
     """`slots`, and a `WritePlan` that finds the same slots in a later model of ``gdef``
     (None where the structure needs what only `slots` decides: a cell, a made-anew or
     pytree container on the way). Raises what `slots` raises."""
     record: list = []
-    out = slots(model, gdef, which, action=action, frozen_ok=frozen_ok, _record=record)
+    out = slots(model, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=rebuild, _record=record)
     if not record:  # nothing wanted
         return out, WritePlan((), (), len(out))
     opened = record.pop()

@@ -191,20 +191,21 @@ def find_places(root: Any, gdef: GraphDef, which: tuple, *, action: str, frozen_
     """`slots(root, gdef, which, ...)`, through a `WritePlan` kept on ``gdef`` per ``which``
     made by the first `slots` run. ``gdef`` is that of a flatten of ``root`` just taken.
     Under ``TIED_CHECK_PLANS=1`` the plan's slots are compared with `slots`' (a difference,
-    or a plan that gives up on a model of its own GraphDef, is a `PlanMismatch`)."""
+    or a plan that gives up on a model of its own GraphDef, is a `PlanMismatch`). A place in
+    a tuple is written by putting a new tuple at every place of it (`slots`' ``rebuild``)."""
     key = (which, frozen_ok)
     plan = gdef.memo.write_plans.get(key)
     if plan is None:
-        at, plan = write_plan(root, gdef, which, action=action, frozen_ok=frozen_ok)
+        at, plan = write_plan(root, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=True)
         gdef.memo.write_plans[key] = _NO_PLAN if plan is None else plan
         return at
     if plan is _NO_PLAN:
-        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok)
+        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=True)
     at = plan.find(root)
     if CHECK_PLANS:
-        _check_places(at, slots(root, gdef, which, action=action, frozen_ok=frozen_ok), gdef)
+        _check_places(at, slots(root, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=True), gdef)
     if at is None:
-        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok)
+        return slots(root, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=True)
     return at
 
 

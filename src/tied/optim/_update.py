@@ -294,10 +294,12 @@ def update_inplace(
         The new `OptState`.
 
     Raises:
-        GraphError: a parameter place sits in an immutable container (a tuple,
-            namedtuple, frozen dataclass or JAX-registered node such as an
-            Equinox module); the message names the path. Raised before
-            anything is written.
+        GraphError: a parameter place sits in an immutable container (a frozen
+            dataclass or JAX-registered node such as an Equinox module, or a
+            tuple held by one, or the model itself); the message names the path.
+            Raised before anything is written. (A place in a tuple held by a
+            mutable container, a view's sources, is written by putting a new
+            tuple at every place of the old one: a tie is kept.)
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, tied
@@ -313,7 +315,7 @@ def update_inplace(
     with live_lock:
         leaves, gdef = flatten(model)
         train = match_state(state, leaves, gdef)
-        places = slots(model, gdef, train, action="tied.optim.update_inplace", frozen_ok=False)
+        places = slots(model, gdef, train, action="tied.optim.update_inplace", frozen_ok=False, rebuild=True)
         _, _, _, new_params, new_state = _step(state, model, grads, convention, extra_args)
         write(places, new_params)
         new_leaves = list(leaves)
