@@ -95,7 +95,7 @@ test-min: $(VENV_MIN)/.base
 	@$(PY_MIN) -c 'import sys, importlib.metadata as md; \
 		names = [l.split("==")[0] for l in open(sys.argv[1]) if "==" in l] + ["jaxlib"]; \
 		print("  " + " ".join(f"{n}=={md.version(n)}" for n in names))' $(VENV_MIN)/constraints.txt
-	$(PY_MIN) -m pytest $(addprefix --ignore=,$(TEST_MIN_SKIP))
+	$(PY_MIN) -m pytest -n auto --dist loadgroup $(addprefix --ignore=,$(TEST_MIN_SKIP))
 
 bench: $(VENV)/.bench
 	$(PY) -m benchmarks.run
