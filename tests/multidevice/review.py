@@ -89,3 +89,35 @@ def test_a_state_beside_two_models_of_one_structure_sharded_otherwise_is_refused
     same = [(r"\['w'\]", P("model", None))]
     _, _, ss = tied.sharding_tree((g, d, sg), same, mesh=MESH)
     assert ss.inner_state[0].mu["['w']"].is_equivalent_to(S("model", None), 2)
+
+
+def _unit_rows(h, s):
+    """A stage undefined at zero (a row divided by its norm), as a norm without eps is."""
+    return jnp.tanh(h @ s["w"]) / jnp.linalg.norm(h, axis=-1, keepdims=True) + 1.0
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_pipeline_gradients_of_a_stage_undefined_at_zero_equal_the_unrolled_loop(microbatches):
+    """The devices waiting in the bubble ran their stage on zeros: the dropped output's
+    gradient was 0 * inf = NaN, where the sequential run is finite."""
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(3, 3)).astype(np.float32) for _ in range(4)]
+    x = jnp.asarray(rng.normal(size=(4, 3)) + 3, jnp.float32)
+
+    def unrolled(ws):  # plain JAX, one device
+        h = x
+        for w in ws:
+            h = _unit_rows(h, {"w": w})
+        return jnp.sum(h**2)
+
+    want_loss, want = jax.value_and_grad(unrolled)([jnp.asarray(w) for w in ws])
+    mesh = Mesh(np.array(jax.devices()[:4]), ("stage",))
+    stages = tied.stack([{"w": jnp.asarray(w)} for w in ws])
+
+    def loss(st):
+        out = tied.pipeline(_unit_rows, x, st, mesh=mesh, axis="stage", microbatches=microbatches)
+        return jnp.sum(out**2)
+
+    got_loss, got = tied.value_and_grad(loss)(stages)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.member["w"]), np.stack(want), rtol=1e-5, atol=1e-6)
