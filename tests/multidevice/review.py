@@ -121,3 +121,23 @@ def test_pipeline_gradients_of_a_stage_undefined_at_zero_equal_the_unrolled_loop
     got_loss, got = tied.value_and_grad(loss)(stages)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(got.member["w"]), np.stack(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameters_rule_that_does_not_fit_its_states_other_arrays_replicates_them():
+    """Rules match the state's paths too (they hold the parameter's path): Adafactor's factored
+    rows and a count under a prefix rule were refused with a rank error naming the state."""
+    model = {"a": {"w": jnp.ones((8, 8))}, "c": jnp.ones((8,))}
+    state = tied.optim.setup(optax.adafactor(1e-3, min_dim_size_to_factor=4), model)
+    rules = [(r"^\[0\]\['a'\]|\['a'\]\['w'\]", P("model", None)), (r"\['c'\]", P("model"))]
+    ms, ss = tied.sharding_tree((model, state), rules, mesh=MESH)
+    fac = ss.inner_state[0]
+    assert fac.v_row["['a']['w']"].is_equivalent_to(S(), 1)  # (8,): the rule's 2 entries do not fit
+    assert fac.v["['c']"].is_equivalent_to(S("model"), 1)  # shaped like its parameter: follows it
+    assert ms["a"]["w"].is_equivalent_to(S("model", None), 2)
+    # A prefix rule over the whole (model, state) pair: the count is replicated, the moments follow.
+    w = {"w": jnp.ones((8, 8))}
+    _, ss = tied.sharding_tree(
+        (w, tied.optim.setup(optax.adam(1e-3), w)), [("", P("model", None))], mesh=MESH
+    )
+    assert ss.inner_state[0].count.is_equivalent_to(S(), 0)
+    assert ss.inner_state[0].mu["['w']"].is_equivalent_to(S("model", None), 2)

@@ -528,7 +528,14 @@ def _by_rules(
         if spec is None:
             continue
         shape = tuple(np.shape(leaves[place.leaf]))
-        sharding = _resolve(spec, place, shape, mesh, stack_axis)
+        try:
+            sharding = _resolve(spec, place, shape, mesh, stack_axis)
+        except ValueError:
+            if place.opt < 0:
+                raise
+            # A rule written for a parameter also matches its optimiser state's path: an array of
+            # another shape there (Adafactor's factored rows, Adam's count) is replicated instead.
+            continue
         q = place.leaf
         if chosen[q] is None:
             chosen[q], first[q] = sharding, place.path
