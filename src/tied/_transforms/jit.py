@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._core import (
     GraphDef,
@@ -293,13 +293,12 @@ def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
 # ---------------------------------------------------------------- the traced function
 
 
-def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse):
+def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse, given):
     """The function `jax.jit` traces for one input structure: rebuild the arguments, run
     ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
     existing places of its arguments (written back by the caller)."""
 
     def traced(donated_leaves, kept_leaves):
-        given = _given_shardings() if out_shardings_fn is None else None  # before fun: it may jit too
         both = list(donated_leaves) + list(kept_leaves)
         leaves = [both[p] for p in inverse]
         root = rebuild(gdef, leaves)
@@ -360,22 +359,33 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
     return flat_fun
 
 
-# The shardings of the arrays of the call being traced, set by `Jitted.__call__` and `lower` just
-# before JAX runs (and, on a cache miss, traces) the body on this thread: JAX traces again whenever
-# an input's sharding changes, so the body always sees the shardings of the call it compiles for.
-_given = threading.local()
-
-
-def _given_shardings() -> list | None:
-    leaves = getattr(_given, "leaves", None)
-    _given.leaves = None  # read once, by the outermost body this call traces
-    if leaves is None:
-        return None
-    shardings = [
+def _given_shardings(leaves: list) -> tuple | None:
+    """The shardings of a call's arrays when one is spread over devices, else None: part of the
+    cache key of a plain `tied.jit`, since JAX does not trace again when only an input's
+    sharding changes (it compiles the jaxpr traced for the first placement), and the body bakes
+    these shardings into the updated copies it returns."""
+    shardings = tuple(
         x.sharding if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
         for x in leaves
-    ]
+    )
     return shardings if any(_spread(s) for s in shardings) else None
+
+
+def _placement_key(given: tuple) -> tuple:
+    """``given`` as a cache key: one entry per placement, whichever way a spec is written
+    (XLA hands ``P(None,)`` back as ``P()``); shardings on one device are not constrained."""
+    out = []
+    for s in given:
+        if not _spread(s):
+            out.append(None)
+        elif isinstance(s, NamedSharding):
+            spec = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in s.spec]
+            while spec and spec[-1] is None:
+                spec.pop()
+            out.append((s.mesh, tuple(spec), s.memory_kind))
+        else:
+            out.append(s)
+    return tuple(out)
 
 
 def _spread(s: Any) -> bool:
@@ -448,8 +458,10 @@ class Jitted:
         root = (dyn_args, dyn_kwargs)
         leaves, gdef = flatten_arguments(root, self._plans)
         key = (gdef, static_key)
+        given = _given_shardings(leaves) if self._out_shardings is None else None
+        ckey = key if given is None else (*key, _placement_key(given))
         try:
-            entry = self._compiled.get(key)
+            entry = self._compiled.get(ckey)
         except GraphError as e:  # an unhashable static field: say which argument holds it
             raise e.named(place_name) from None
         except TypeError:
@@ -460,12 +472,13 @@ class Jitted:
         fresh = False
         if entry is None:
             with self._lock:
-                entry = self._compiled.get(key)
+                entry = self._compiled.get(ckey)
                 if entry is None:
-                    entry = self._compiled[key] = self._compile(
-                        key, gdef, leaves, len(args), tuple(dyn_kwargs)
+                    entry = self._compiled[ckey] = self._compile(
+                        key, gdef, leaves, len(args), tuple(dyn_kwargs), given
                     )
-                    fresh = True
+                    # new to explain only if no other placement made an entry for this key
+                    fresh = not any(k[:2] == key for k in self._compiled if k is not ckey)
         return root, leaves, gdef, entry, (key, fresh)
 
     def _inputs(self, entry: _Compiled, leaves: list) -> tuple:
@@ -478,8 +491,6 @@ class Jitted:
         root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
         watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
         size = entry.fn._cache_size() if watch else 0
-        if self._out_shardings is None:
-            _given.leaves = leaves
         try:
             out = entry.fn(*self._inputs(entry, leaves))
         except ValueError as e:
@@ -518,12 +529,10 @@ class Jitted:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
         HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
         _, leaves, _, entry, _ = self._prepare(args, kwargs)
-        if self._out_shardings is None:
-            _given.leaves = leaves
         return entry.fn.lower(*self._inputs(entry, leaves))
 
     # ------------------------------------------------ compiling
-    def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple) -> _Compiled:
+    def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple, given) -> _Compiled:
         entry = _Compiled()
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
@@ -548,7 +557,15 @@ class Jitted:
                 return _constrain_outputs(out_shardings, out_gdef, out_leaves)
 
         body = _trace_body(
-            self.fun, gdef, statics, kw_static, self._donate_nums, self._donate_names, constrain, inverse
+            self.fun,
+            gdef,
+            statics,
+            kw_static,
+            self._donate_nums,
+            self._donate_names,
+            constrain,
+            inverse,
+            given,
         )
         entry.fn = jax.jit(
             body, donate_argnums=(0,) if entry.donated else (), **shardings, **self._jax_kwargs

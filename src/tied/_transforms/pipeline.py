@@ -161,9 +161,10 @@ def pipeline(
             held = [jax.lax.ppermute(v, axis, forward) for v in y]
             return (held, outs), None
 
-        start = jax.lax.pcast(
-            ([jnp.zeros_like(x[0]) for x in mbs], [jnp.zeros_like(x) for x in mbs]), (axis,), to="varying"
-        )
+        # A device waiting in the bubble still runs its stage, on the first microbatch, not on
+        # zeros: its output is dropped, but a stage undefined at zero (x / |x|) would give NaN
+        # gradients through the dropped branch (0 * inf) where the sequential scan has none.
+        start = jax.lax.pcast(([x[0] for x in mbs], [jnp.zeros_like(x) for x in mbs]), (axis,), to="varying")
         (_, outs), _ = jax.lax.scan(tick, start, jnp.arange(m + n - 1))
         # The outputs sit on the last stage's device: every other device adds its zeros.
         return [jax.lax.psum(jnp.where(me == n - 1, o, jnp.zeros_like(o)), axis) for o in outs]

@@ -484,7 +484,8 @@ def _resolve(spec: Any, place: _ArrayPlace, shape: tuple, mesh: Mesh | None, sta
 
 
 def _followed(tree: Any, gdef: GraphDef, places: list[_ArrayPlace], opt: list, leaves: list) -> dict:
-    """For each optimiser state's array shaped like its parameter: that parameter's leaf."""
+    """For each optimiser state's array shaped like its parameter: that parameter's leaf, and
+    every place of a parameter it could follow (a state beside two models of one structure)."""
     if not opt:
         return {}
     at = {p.path: p.leaf for p in places}
@@ -496,7 +497,8 @@ def _followed(tree: Any, gdef: GraphDef, places: list[_ArrayPlace], opt: list, l
         state = get(tree, where_in.steps[path], where_in)
         wanted = list(state.paths)
         beside = [p.path for p in walk if p.parent == o.parent >= 0 and not _is_opt_state(p.type)]
-        prefix = next((r for r in beside if all(r + w in at for w in wanted)), None)
+        prefixes = [r for r in beside if all(r + w in at for w in wanted)]
+        prefix = prefixes[0] if prefixes else None
         if prefix is None and wanted:
             raise ValueError(
                 f"{_WHO}: the optimiser state at {path or '<root>'} is given without the model it was "
@@ -508,7 +510,7 @@ def _followed(tree: Any, gdef: GraphDef, places: list[_ArrayPlace], opt: list, l
                 continue
             q = at[prefix + p.follows]
             if np.shape(leaves[p.leaf]) == np.shape(leaves[q]) and np.ndim(leaves[p.leaf]):
-                out[p.leaf] = q
+                out[p.leaf] = (q, [(p.path, r + p.follows, at[r + p.follows]) for r in prefixes])
     return out
 
 
@@ -526,7 +528,14 @@ def _by_rules(
         if spec is None:
             continue
         shape = tuple(np.shape(leaves[place.leaf]))
-        sharding = _resolve(spec, place, shape, mesh, stack_axis)
+        try:
+            sharding = _resolve(spec, place, shape, mesh, stack_axis)
+        except ValueError:
+            if place.opt < 0:
+                raise
+            # A rule written for a parameter also matches its optimiser state's path: an array of
+            # another shape there (Adafactor's factored rows, Adam's count) is replicated instead.
+            continue
         q = place.leaf
         if chosen[q] is None:
             chosen[q], first[q] = sharding, place.path
@@ -547,7 +556,15 @@ def _by_rules(
                     "a mesh: pass mesh=."
                 )
             chosen[q] = _resolve(PartitionSpec(), place, tuple(np.shape(leaves[q])), mesh, stack_axis)
-    for s, q in _followed(tree, gdef, places, opt, leaves).items():  # last: the parameters' own
+    for s, (q, each) in _followed(tree, gdef, places, opt, leaves).items():  # last: the parameters'
+        for where, other, q2 in each:
+            if not _same_layout(chosen[q2], chosen[q], np.ndim(leaves[q])):
+                raise ValueError(
+                    f"{_WHO}: the optimiser state's {where} may follow {each[0][1]} or {other}, which the "
+                    f"rules shard differently ({_describe_sharding(chosen[q])} and "
+                    f"{_describe_sharding(chosen[q2])}): which model it was set up for is not known. "
+                    "Pass each model beside its own state, e.g. ((model_a, state_a), (model_b, state_b))."
+                )
         chosen[s] = chosen[q]
     return chosen
 
@@ -559,8 +576,9 @@ def copy_shardings(args: Sequence[Any], out: Any, sharding_of: Callable[[Any], A
     ``out`` holds an *updated copy* of an argument (a graph with the argument's structure,
     its GraphDef, at the output's root or a node one or two levels down, as a donated
     argument's copy is found), each array of the copy of the argument's shape takes the
-    sharding of the argument's array at the same place; every other array gets None (left
-    to XLA). Only identity and structure are read, so ``out`` may hold tracers.
+    sharding of the argument's array at the same place (where several arguments have that
+    structure, the output's k-th copy, in walk order, is the k-th such argument's); every
+    other array gets None (left to XLA). Only identity and structure are read, so ``out`` may hold tracers.
 
     Args:
         args: the arguments (each one graph).
@@ -583,6 +601,7 @@ def copy_shardings(args: Sequence[Any], out: Any, sharding_of: Callable[[Any], A
         return chosen
     index = {id(x): q for q, x in enumerate(out_leaves)}
     seats = Places(out_gdef)
+    used: dict = {}
     for p in out_gdef.walk_places():
         if p.depth > 2 or p.kind in ("array", "static") or not p.first:
             continue
@@ -591,9 +610,14 @@ def copy_shardings(args: Sequence[Any], out: Any, sharding_of: Callable[[Any], A
             sub_leaves, sub_gdef = flatten(sub)
         except GraphError:
             continue
-        match = next((leaves for g, leaves in targets if g == sub_gdef), None)
-        if match is None:
+        same = [leaves for g, leaves in targets if g == sub_gdef]
+        if not same:
             continue
+        # Arguments of one structure (a model and its EMA copy): the k-th copy in the output
+        # takes the k-th such argument's shardings, never the first's for all of them.
+        k = used.get(sub_gdef, 0)
+        used[sub_gdef] = k + 1
+        match = same[min(k, len(same) - 1)]
         for x, y in zip(match, sub_leaves):
             q = index[id(y)]
             if chosen[q] is None and np.shape(x) == np.shape(y):
