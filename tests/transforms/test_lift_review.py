@@ -1,0 +1,35 @@
+"""An adversarial review of the shared lift (issue 34): each defect found, against an
+independent reference (plain `jax.vmap`, the unrolled eager loop)."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tied
+
+_NT = collections.namedtuple("_NT", "a b")
+
+
+def test_vmap_out_axes_over_a_namedtuple_output_is_refused_not_a_stop_iteration():
+    # a StopIteration escaping tied.vmap silently ended a surrounding map(): [] for 2 calls
+    sq = jnp.arange(9.0).reshape(3, 3)
+    f = tied.vmap(lambda x: _NT(x, x), 0, (0, 1))
+    with pytest.raises(ValueError, match=r"plain tuple output.*_NT"):
+        f(sq)
+    # a plain tuple of its elements gives what jax.vmap gives
+    a, b = tied.vmap(lambda x: tuple(_NT(x, x)), 0, (0, 1))(sq)
+    ra, rb = jax.vmap(lambda x: (x, x), 0, (0, 1))(sq)
+    np.testing.assert_array_equal(a, ra)
+    np.testing.assert_array_equal(b, rb)
+
+
+@pytest.mark.parametrize("out_axes", [{0: 1, 1: 0}, ((0, 1), 0), (0, [1])])
+def test_vmap_out_axes_other_than_ints_per_element_are_refused(out_axes):
+    # a dict's keys were read as the axes ({0: 1, 1: 0} gave (0, 1)): the transpose of what it says
+    with pytest.raises(ValueError, match=r"out_axes must be an int, None, or a tuple of ints"):
+        tied.vmap(lambda x: (x, 2 * x), 0, out_axes)
