@@ -33,3 +33,34 @@ def test_vmap_out_axes_other_than_ints_per_element_are_refused(out_axes):
     # a dict's keys were read as the axes ({0: 1, 1: 0} gave (0, 1)): the transpose of what it says
     with pytest.raises(ValueError, match=r"out_axes must be an int, None, or a tuple of ints"):
         tied.vmap(lambda x: (x, 2 * x), 0, out_axes)
+
+
+def _read_through_static(m, h):
+    m.value = m.value + 1.0  # written through the traced argument
+    return h.s.value * 1.0  # read through the static one: the same cell
+
+
+class _Holder:  # an unregistered class, hashable by identity: a valid static argument
+    def __init__(self, s):
+        self.s = s
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [lambda f: tied.jit(f, static_argnums=1), lambda f: tied.remat(f, static_argnums=(1,))],
+    ids=["jit", "remat"],
+)
+def test_a_cell_held_by_a_traced_and_a_static_argument_is_refused_not_read_stale(transform):
+    # the plain walk reads 1.0 (one object, read after its write); the transforms read 0.0 silently
+    eager_cell = tied.State(jnp.zeros(()))
+    assert float(_read_through_static(eager_cell, _Holder(eager_cell))) == 1.0
+    cell = tied.State(jnp.zeros(()))
+    with pytest.raises(
+        tied.GraphError, match=r"^args\[1\]\.s: tied\.(jit|remat): this object is held by a static"
+    ):
+        transform(_read_through_static)(cell, _Holder(cell))
+    np.testing.assert_array_equal(cell.value, 0.0)  # nothing run, nothing written
+    # a static argument holding another cell is still passed as it is
+    other = tied.State(jnp.full((), 5.0))
+    np.testing.assert_array_equal(transform(_read_through_static)(cell, _Holder(other)), 5.0)
+    np.testing.assert_array_equal(cell.value, 1.0)

@@ -31,7 +31,7 @@ from .._core import (
     place_name,
     where,
 )
-from .escapes import refuse_static_writes, static_snapshot
+from .escapes import refuse_static_ties, refuse_static_writes, static_snapshot
 from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes
 from .stack import Stack, layout
 
@@ -488,6 +488,8 @@ def remat(
         static = {i % n: args[i] for i in nums if -n <= i < n}
         root = (tuple(None if i in static else a for i, a in enumerate(args)), kwargs)
         leaves, gdef = flatten(root)
+        if static:  # one object in a static and a traced argument would be two inside
+            refuse_static_ties(static_snapshot(tuple(static.items()), ()), root, gdef, "tied.remat")
 
         def call(copy):
             return f(*[static.get(i, a) for i, a in enumerate(copy[0])], **copy[1])
