@@ -64,3 +64,28 @@ def test_a_cell_held_by_a_traced_and_a_static_argument_is_refused_not_read_stale
     other = tied.State(jnp.full((), 5.0))
     np.testing.assert_array_equal(transform(_read_through_static)(cell, _Holder(other)), 5.0)
     np.testing.assert_array_equal(cell.value, 1.0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 34 review: tied.jit keys a static argument by its hash (an object's identity), so "
+    "a state cell it holds is a constant of the compiled function: after the caller sets the cell "
+    "eagerly, the next call reuses the compiled version and reads the old value, silently (eager "
+    "and tied.remat read the new one). As jax.jit does, and docs/semantics.md calls static "
+    "arguments constants, but the result differs from the plain walk with no error. Fix (a "
+    "decision for the lead): refuse a static argument holding arrays, naming the place, or put "
+    "the identities of its arrays (escapes.static_snapshot) in the cache key.",
+)
+def test_jit_reads_a_state_cell_of_a_static_argument_as_it_is_at_each_call():
+    x = jnp.ones(2)
+    h = _Holder(tied.State(jnp.float32(1.0)))
+    f = tied.jit(lambda x, h: x * h.s.value, static_argnums=1)
+    try:
+        first = f(x, h)
+        h.s.value = jnp.float32(5.0)  # set eagerly between the calls
+        second = f(x, h)
+    except tied.GraphError as e:  # a refusal naming the place would do as well
+        assert str(e).startswith("args[1].s")
+        return
+    np.testing.assert_array_equal(first, x * 1.0)
+    np.testing.assert_array_equal(second, x * 5.0)  # the plain walk: x * 5
