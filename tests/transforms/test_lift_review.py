@@ -89,3 +89,28 @@ def test_jit_reads_a_state_cell_of_a_static_argument_as_it_is_at_each_call():
         return
     np.testing.assert_array_equal(first, x * 1.0)
     np.testing.assert_array_equal(second, x * 5.0)  # the plain walk: x * 5
+
+
+def _bump_and_read(m, h):
+    m["s"].value = m["s"].value + 1.0  # written through the differentiated argument
+    return (m["w"] * h["s"].value).sum()  # read through the other: the same cell
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grad_refuses_a_cell_held_by_a_differentiated_and_an_other_argument(jit):
+    # the plain walk reads the written cell (1.0), so d/dw = [1, 1]; the copy read 0.0 silently
+    w = jnp.ones(2)
+    eager = tied.State(jnp.zeros(()))
+    ref = jax.grad(lambda w: _bump_and_read({"w": w, "s": eager}, {"s": eager}))(w)
+    np.testing.assert_array_equal(ref, [1.0, 1.0])
+    cell = tied.State(jnp.zeros(()))
+    g = tied.grad(_bump_and_read)
+    with pytest.raises(
+        tied.GraphError, match=r"^args\[1\]\['s'\]: tied\.grad: this object is held by an argument not"
+    ):
+        (tied.jit(g) if jit else g)({"w": w, "s": cell}, {"s": cell})
+    np.testing.assert_array_equal(cell.value, 0.0)  # nothing run, nothing written
+    # another cell there is passed as it is
+    got = g({"w": w, "s": cell}, {"s": tied.State(jnp.full((), 3.0))})
+    np.testing.assert_array_equal(got["w"], [3.0, 3.0])
+    np.testing.assert_array_equal(cell.value, 1.0)
