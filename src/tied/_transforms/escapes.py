@@ -48,6 +48,7 @@ __all__ = [
     "note_copy",
     "own_copy",
     "refuse_dropped",
+    "refuse_static_ties",
     "refuse_static_writes",
     "static_snapshot",
     "trace_of",
@@ -190,6 +191,41 @@ def static_snapshot(statics: tuple, kw_static: tuple) -> tuple[list, list]:
                 parts.append((path + sub, x, leaves, gdef))
     fields = [(h, dict(h.__dict__)) for h in holders if isinstance(getattr(h, "__dict__", None), dict)]
     return parts, named, fields
+
+
+def refuse_static_ties(
+    held: tuple,
+    root: Any,
+    gdef: GraphDef,
+    who: str,
+    what: str = "a static argument (static_argnums / static_argnames)",
+) -> None:
+    """Refuse, before the call, a node (a state cell, a layer) held both by an argument passed
+    as it is (``held`` from `static_snapshot`; ``what`` says which) and by the traced arguments
+    (``root``, whose flatten gave ``gdef``): inside the transform the traced one is a rebuilt
+    copy and the other the caller's object, so a write through one would silently not be seen
+    through the other."""
+    shared = {}  # id -> (path, object) of each mutable node the untraced arguments hold
+    for path, x, _, g in held[0]:
+        objs = None
+        for p in g.walk_places():
+            if p.kind in ("array", "static", "tuple", "namedtuple") or not p.first:
+                continue  # an immutable node shared is one value either way
+            objs = node_objects(g, x) if objs is None else objs
+            if objs[p.index] is not None:
+                shared.setdefault(id(objs[p.index]), (path + p.path, objs[p.index]))
+    if not shared:
+        return
+    for o in node_objects(gdef, root):
+        if o is not None and shared.get(id(o), (None, None))[1] is o:
+            raise GraphError(
+                f"{who}: this object is held by {what} and by a traced argument; inside the "
+                "transform they would be two objects (the traced one a rebuilt copy), so a write "
+                "through one would not be seen through the other. Nothing was run. Pass it "
+                "through the traced argument only.",
+                shared[id(o)][0],
+                name=place_name,
+            )
 
 
 def refuse_static_writes(held: tuple[list, list, list], name: Any = None, who: str = "tied.jit") -> None:

@@ -25,7 +25,14 @@ from .._core import (
     warn_none_selected,
     where,
 )
-from .escapes import copy_scope, own_copy, refuse_dropped, write_back_checked
+from .escapes import (
+    copy_scope,
+    own_copy,
+    refuse_dropped,
+    refuse_static_ties,
+    static_snapshot,
+    write_back_checked,
+)
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 
@@ -170,6 +177,7 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
                 )
         # A single argument is flattened alone, so that error paths are the model's own.
         leaves, gdef = flatten(args[nums[0]] if single else tuple(args[i] for i in nums))
+        _refuse_shared_others(args, kwargs, nums, single, gdef, name)
         mask = trainable_mask(gdef, leaves, trainable)
         if trainable is not None and not any(mask):
             state = gdef.state_leaves()
@@ -229,6 +237,16 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
         return value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+def _refuse_shared_others(args: tuple, kwargs: dict, nums: tuple, single: bool, gdef: GraphDef, name: str):
+    """The arguments not in ``argnums`` are passed as they are: an object one of them holds that
+    the differentiated ones hold too would be two objects in the loss (one a rebuilt copy)."""
+    others = tuple((i, a) for i, a in enumerate(args) if i not in nums and i - len(args) not in nums)
+    if others or kwargs:
+        root = args[nums[0]] if single else tuple(args[i] for i in nums)
+        held = static_snapshot(others, tuple(kwargs.items()))
+        refuse_static_ties(held, root, gdef, name, "an argument not differentiated (not in argnums)")
 
 
 @jax.tree_util.register_pytree_node_class

@@ -30,6 +30,7 @@ from .escapes import (
     note_carried,
     note_copy,
     refuse_dropped,
+    refuse_static_ties,
     refuse_static_writes,
     static_snapshot,
 )
@@ -489,6 +490,8 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
+        if key[1] != ((), ()):  # one object in a static and a traced argument would be two inside
+            refuse_static_ties(static_snapshot(*key[1]), root, gdef, "tied.jit")
         watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
         size = entry.fn._cache_size() if watch else 0
         try:

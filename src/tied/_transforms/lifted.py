@@ -31,7 +31,7 @@ from .._core import (
     place_name,
     where,
 )
-from .escapes import refuse_static_writes, static_snapshot
+from .escapes import refuse_static_ties, refuse_static_writes, static_snapshot
 from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes
 from .stack import Stack, layout
 
@@ -304,6 +304,16 @@ def vmap(
         ((5, 3, 3), True)
     """
 
+    if not (
+        out_axes is None
+        or isinstance(out_axes, int)
+        or (type(out_axes) in (tuple, list) and all(a is None or isinstance(a, int) for a in out_axes))
+    ):  # a dict's keys or a nested entry would be read as something else
+        raise ValueError(
+            f"tied.vmap: out_axes must be an int, None, or a tuple of ints and Nones (one per element "
+            f"of a tuple output), got {out_axes!r}; return a flat tuple and give one axis per element."
+        )
+
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -389,10 +399,12 @@ def _split_out(out: Any, out_leaves: list, out_gdef: GraphDef, out_axes: Any) ->
     are then rebuilt one by one)."""
     if out_axes is None or isinstance(out_axes, int):
         return out_leaves, None
-    if not isinstance(out, tuple) or len(out) != len(out_axes):
+    if type(out) is not tuple or len(out) != len(out_axes):  # a namedtuple's places are not [i]
         raise ValueError(
-            f"tied.vmap: out_axes {out_axes!r} has one entry per element of a tuple output, but "
-            f"the function returned {type(out).__name__}."
+            f"tied.vmap: out_axes {out_axes!r} has one entry per element of a plain tuple output, but "
+            f"the function returned {type(out).__name__}"
+            + (f" of {len(out)} elements" if type(out) is tuple else "")
+            + "; return a plain tuple of that many elements (tuple(...) of a namedtuple)."
         )
     elements: list[set] = [set() for _ in out_leaves]
     first = [None] * len(out_leaves)
@@ -476,6 +488,8 @@ def remat(
         static = {i % n: args[i] for i in nums if -n <= i < n}
         root = (tuple(None if i in static else a for i, a in enumerate(args)), kwargs)
         leaves, gdef = flatten(root)
+        if static:  # one object in a static and a traced argument would be two inside
+            refuse_static_ties(static_snapshot(tuple(static.items()), ()), root, gdef, "tied.remat")
 
         def call(copy):
             return f(*[static.get(i, a) for i, a in enumerate(copy[0])], **copy[1])
