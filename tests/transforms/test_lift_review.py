@@ -66,29 +66,42 @@ def test_a_cell_held_by_a_traced_and_a_static_argument_is_refused_not_read_stale
     np.testing.assert_array_equal(cell.value, 1.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 34 review: tied.jit keys a static argument by its hash (an object's identity), so "
-    "a state cell it holds is a constant of the compiled function: after the caller sets the cell "
-    "eagerly, the next call reuses the compiled version and reads the old value, silently (eager "
-    "and tied.remat read the new one). As jax.jit does, and docs/semantics.md calls static "
-    "arguments constants, but the result differs from the plain walk with no error. Fix (a "
-    "decision for the lead): refuse a static argument holding arrays, naming the place, or put "
-    "the identities of its arrays (escapes.static_snapshot) in the cache key.",
-)
-def test_jit_reads_a_state_cell_of_a_static_argument_as_it_is_at_each_call():
+def test_jit_refuses_a_static_argument_whose_state_cell_was_set_since_it_compiled():
+    # jit keyed a static argument by its hash (its identity), so the cell's value was a constant
+    # of the compiled function: set between two calls, the second call read the old value silently
     x = jnp.ones(2)
     h = _Holder(tied.State(jnp.float32(1.0)))
     f = tied.jit(lambda x, h: x * h.s.value, static_argnums=1)
-    try:
-        first = f(x, h)
-        h.s.value = jnp.float32(5.0)  # set eagerly between the calls
-        second = f(x, h)
-    except tied.GraphError as e:  # a refusal naming the place would do as well
-        assert str(e).startswith("args[1].s")
-        return
-    np.testing.assert_array_equal(first, x * 1.0)
-    np.testing.assert_array_equal(second, x * 5.0)  # the plain walk: x * 5
+    np.testing.assert_array_equal(f(x, h), x * 1.0)
+    first = h.s.value
+    h.s.value = jnp.float32(5.0)  # set eagerly between the calls: the plain walk gives x * 5
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.s\.value: this array was replaced, since the function"):
+        f(x, h)
+    h.s.value = first  # the arrays it was compiled with: runs again
+    np.testing.assert_array_equal(f(x, h), x * 1.0)
+    # the cell passed as a traced argument reads each call's value
+    h.s.value = jnp.float32(5.0)
+    np.testing.assert_array_equal(tied.jit(lambda x, s: x * s.value)(x, h.s), x * 5.0)
+
+
+class _SameKey:  # equal and of one hash whatever it holds: two of them are one static key
+    def __init__(self, w):
+        self.w = w
+
+    def __eq__(self, other):
+        return type(other) is _SameKey
+
+    def __hash__(self):
+        return 0
+
+
+def test_jit_refuses_an_equal_static_argument_holding_other_arrays():
+    # the second object hit the first one's compiled version: x * 1 silently, where the plain walk gives x * 3
+    x = jnp.ones(2)
+    f = tied.jit(lambda x, c: x * c.w, static_argnums=1)
+    np.testing.assert_array_equal(f(x, _SameKey(jnp.float32(1.0))), x * 1.0)
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.w: this array was replaced.*equal argument"):
+        f(x, _SameKey(jnp.float32(3.0)))
 
 
 def _bump_and_read(m, h):

@@ -48,6 +48,7 @@ __all__ = [
     "note_copy",
     "own_copy",
     "refuse_dropped",
+    "refuse_new_static_arrays",
     "refuse_static_ties",
     "refuse_static_writes",
     "static_snapshot",
@@ -226,6 +227,42 @@ def refuse_static_ties(
                 shared[id(o)][0],
                 name=place_name,
             )
+
+
+def refuse_new_static_arrays(traced: list, now: list, who: str = "tied.jit") -> None:
+    """Refuse a call whose static arguments hold other arrays than when the function was
+    traced (``traced`` and ``now``: the graphs `static_snapshot` found in them, ``(path,
+    object, arrays, GraphDef)``). A static argument is a constant of the compiled function:
+    a state cell set between two calls, or an equal argument holding other arrays, would be
+    silently read as it was. ``traced`` holds the arrays it names, so an id is never reused."""
+    if traced is now:
+        return
+    was = {path: (leaves, gdef) for path, _, leaves, gdef in traced}
+    for path, _, leaves, gdef in now:
+        old = was.pop(path, None)
+        if old is None:
+            raise _new_static(who, "this static argument now holds arrays here", path)
+        if old[1] != gdef:
+            inner, how = first_difference(old[1], gdef)
+            raise _new_static(who, how, path + inner)
+        for q, (a, b) in enumerate(zip(old[0], leaves)):
+            if a is not b:
+                raise _new_static(who, "this array was replaced", path + gdef.leaf_paths()[q][0])
+    if was:
+        raise _new_static(who, "this static argument no longer holds its arrays here", next(iter(was)))
+
+
+def _new_static(who: str, how: str, path: str) -> GraphError:
+    return GraphError(
+        f"{how}, since the function was compiled with this static argument (static_argnums / "
+        "static_argnames), or an equal argument holding other arrays was passed. "
+        f"{who} makes a static argument a constant of the compiled function (its arrays "
+        "are read once, when it is traced), so the new value would be silently ignored. Nothing "
+        "was run. Pass the object as a traced argument (leave it out of static_argnums), or keep "
+        "the arrays of a static argument as they were.",
+        path,
+        name=place_name,
+    )
 
 
 def refuse_static_writes(held: tuple[list, list, list], name: Any = None, who: str = "tied.jit") -> None:

@@ -30,6 +30,7 @@ from .escapes import (
     note_carried,
     note_copy,
     refuse_dropped,
+    refuse_new_static_arrays,
     refuse_static_ties,
     refuse_static_writes,
     static_snapshot,
@@ -189,7 +190,7 @@ class _Compiled:
     """What one input structure compiles to: the jitted function, which unique leaves are
     donated, and (learnt when it is traced) which input leaves it writes back."""
 
-    __slots__ = ("fn", "donated", "kept", "in_specs", "cells")
+    __slots__ = ("fn", "donated", "kept", "in_specs", "cells", "statics")
 
 
 class _Written:
@@ -491,7 +492,12 @@ class Jitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
         if key[1] != ((), ()):  # one object in a static and a traced argument would be two inside
-            refuse_static_ties(static_snapshot(*key[1]), root, gdef, "tied.jit")
+            held = static_snapshot(*key[1])
+            refuse_static_ties(held, root, gdef, "tied.jit")
+            with self._lock:  # the arrays the statics held when this version was traced
+                if entry.statics is None:
+                    entry.statics = held[0]
+            refuse_new_static_arrays(entry.statics, held[0], "tied.jit")
         watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
         size = entry.fn._cache_size() if watch else 0
         try:
@@ -537,6 +543,7 @@ class Jitted:
     # ------------------------------------------------ compiling
     def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple, given) -> _Compiled:
         entry = _Compiled()
+        entry.statics = None
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
         statics, kw_static = key[1]
