@@ -75,7 +75,7 @@ def test_jit_refuses_a_static_argument_whose_state_cell_was_set_since_it_compile
     np.testing.assert_array_equal(f(x, h), x * 1.0)
     first = h.s.value
     h.s.value = jnp.float32(5.0)  # set eagerly between the calls: the plain walk gives x * 5
-    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.s\.value: this array was replaced, since the function"):
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.s\.value: this array was replaced, since"):
         f(x, h)
     h.s.value = first  # the arrays it was compiled with: runs again
     np.testing.assert_array_equal(f(x, h), x * 1.0)
