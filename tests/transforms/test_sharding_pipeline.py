@@ -91,3 +91,35 @@ def test_bad_inputs_are_value_errors_naming_the_argument():
     bn = tied.stack([{"d": tied.nn.Dense(2, 2, key=jax.random.key(0)), "bn": tied.nn.BatchNorm(2)}])
     with pytest.raises(ValueError, match=r"stages holds state at stages\.member\['bn'\]\.running_mean"):
         run(f, h, bn, mesh=MESH, axis="stage", microbatches=2)
+
+
+def _stage(h, s):
+    return {"x": jnp.tanh(s["d"](h["x"]))}
+
+
+@pytest.mark.parametrize(
+    "g, how",
+    [
+        (
+            lambda h, s: {"x": _stage(h, s)["x"].astype(jnp.bfloat16)},
+            r"turns h\['x'\] of shape \(2, 2\) and dtype float32 .* dtype bfloat16",
+        ),
+        (
+            lambda h, s: {"x": _stage(h, s)["x"][:, :1]},
+            r"turns h\['x'\] of shape \(2, 2\) .* into shape \(2, 1\)",
+        ),
+        (
+            lambda h, s: _stage(h, s)["x"],
+            r"returned PyTreeDef\(\*\) for h of structure PyTreeDef\(\{'x': \*\}\)",
+        ),
+    ],
+    ids=["dtype", "shape", "structure"],
+)
+def test_a_stage_that_does_not_keep_h_is_refused_naming_the_leaf(g, how):
+    # JAX's own scan error before ("carry input and carry output must have equal types")
+    stages, h = tied.stack([dense(0)]), {"x": jnp.ones((4, 2))}
+    with pytest.raises(ValueError, match=r"tied\.pipeline: f " + how):
+        tied.pipeline(g, h, stages, mesh=MESH, axis="stage", microbatches=2)
+    want = tied.scan(lambda h, s, _: (_stage(h, s), None), h, stages)[0]["x"]  # f that keeps h runs
+    got = tied.pipeline(_stage, h, stages, mesh=MESH, axis="stage", microbatches=2)["x"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -73,6 +73,43 @@ def _checked(init: Any, stages: Any, mesh: Any, axis: Any, microbatches: Any) ->
     return xs, b
 
 
+def _keeps_h(f: Callable, gdef: Any, s_idx: list, b_idx: list, leaves: list, tree: Any, cut: list) -> None:
+    """Refuse, before anything runs, a stage whose output is not of ``h``'s structure, shapes
+    and dtypes (abstractly, on one stage and one microbatch): each stage's output is the next
+    stage's input, as a scan's carry."""
+    shape = jax.ShapeDtypeStruct
+
+    def one(s_leaves: list, b_leaves: list, mb: list) -> Any:
+        full: list = [None] * gdef.num_leaves
+        for q, x in zip(s_idx, s_leaves):
+            full[q] = x
+        for q, x in zip(b_idx, b_leaves):
+            full[q] = x
+        return f(jax.tree_util.tree_unflatten(tree, mb), rebuild(gdef, full))
+
+    mb = [shape(jnp.shape(x)[1:], x.dtype) for x in cut]
+    out = jax.eval_shape(
+        one,
+        [shape(jnp.shape(leaves[q])[1:], leaves[q].dtype) for q in s_idx],
+        [shape(jnp.shape(leaves[q]), leaves[q].dtype) for q in b_idx],
+        mb,
+    )
+    want = jax.tree_util.tree_unflatten(tree, mb)
+    if jax.tree_util.tree_structure(out) != tree:
+        raise ValueError(
+            f"tied.pipeline: f returned {jax.tree_util.tree_structure(out)} for h of structure {tree}: each "
+            "stage's output is the next stage's h, so f must return h's structure, shapes and dtypes."
+        )
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(out)):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(
+                f"tied.pipeline: f turns h{jax.tree_util.keystr(path)} of shape {a.shape} and dtype "
+                f"{a.dtype} (one microbatch) into shape {b.shape} and dtype {b.dtype}: each stage's output "
+                "is the next stage's h, so f must keep h's structure, shapes and dtypes (cast or reshape "
+                "back inside f)."
+            )
+
+
 def pipeline(
     f: Callable[[Any, Any], Any], init: Any, stages: Stack, *, mesh: Mesh, axis: str, microbatches: int
 ) -> Any:
@@ -91,7 +128,8 @@ def pipeline(
 
     Args:
         f: ``(h, stage) -> h``: one stage (a member of ``stages``, itself possibly holding a
-            `tied.Stack` of layers run with `tied.scan`); ``h`` keeps its structure and shapes.
+            `tied.Stack` of layers run with `tied.scan`); ``h`` keeps its structure, shapes and
+            dtypes (checked abstractly before anything runs).
             It may not write state (a BatchNorm's statistics): such stages are refused.
         init: a pytree of arrays whose leading axis is the batch.
         stages: a `tied.Stack` of ``mesh.shape[axis]`` stages.
@@ -105,7 +143,8 @@ def pipeline(
     Raises:
         ValueError: ``stages`` not a `tied.Stack` (a list of stages of different structure),
             a stage count other than the axis size, ``axis`` not in ``mesh``, a batch that
-            ``microbatches`` does not divide, ``init`` without a batch axis, stages with state.
+            ``microbatches`` does not divide, ``init`` without a batch axis, stages with state,
+            an ``f`` that changes ``h``'s structure, a shape or a dtype (naming the leaf).
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np, tied
@@ -169,6 +208,7 @@ def pipeline(
         # The outputs sit on the last stage's device: every other device adds its zeros.
         return [jax.lax.psum(jnp.where(me == n - 1, o, jnp.zeros_like(o)), axis) for o in outs]
 
+    _keeps_h(f, gdef, s_idx, b_idx, leaves, tree, cut)
     run = jax.shard_map(
         local,
         mesh=mesh,
