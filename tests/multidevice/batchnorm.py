@@ -8,22 +8,16 @@ the parameters) equal those of the same steps on one device (themselves checked
 against numpy and PyTorch in tests/nn/test_nn_state.py).
 """
 
-import os
+import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX is imported)
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# isort: split
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import tied  # noqa: E402
-
-if jax.device_count() != 8:
-    raise RuntimeError(f"tests/multidevice needs 8 devices, found {jax.device_count()}.")
+import tied
 
 
 def make():

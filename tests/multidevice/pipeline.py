@@ -6,24 +6,18 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``. The reference is th
 plain JAX in tests/transforms/test_scan.py); the HLO checks read the compiled program's text.
 """
 
-import os
+import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX is imported)
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# isort: split
 
-import re  # noqa: E402
+import re
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import tied  # noqa: E402
-
-if jax.device_count() != 8:
-    raise RuntimeError(f"tests/multidevice needs 8 devices, found {jax.device_count()}.")
+import tied
 
 V, D, T, B, STAGES, MICRO = 13, 4, 3, 8, 4, 4  # V*D appears nowhere else among the shapes
 MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "stage"))

@@ -5,25 +5,19 @@ Run by tests/transforms/test_sharding_review.py. Every expected sharding is the 
 hand here; every expected value is numpy or the same function under `jax.jit`.
 """
 
-import os
+import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX is imported)
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# isort: split
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import tied  # noqa: E402
-
-if jax.device_count() != 8:
-    raise RuntimeError(f"tests/multidevice needs 8 devices, found {jax.device_count()}.")
+import tied
 
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 

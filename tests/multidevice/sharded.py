@@ -1,7 +1,7 @@
 """Several devices: 8 fake CPU devices, in a process of their own.
 
 Run by tests/test_sharding.py as ``python -m pytest tests/multidevice/sharded.py``
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set below too, so the
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set by eight_devices.py too, so the
 file also runs on its own); the main test process keeps one device and never
 imports this file (its name does not match ``test_*.py``).
 
@@ -11,30 +11,21 @@ hand-stepped optax rule in tests/test_optim.py and tests/test_jit.py.
 """
 
 import importlib.util
-import os
 from pathlib import Path
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX is imported)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+# isort: split
 
-import tied  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-if jax.device_count() != 8:
-    raise RuntimeError(
-        f"tests/multidevice needs 8 devices, found {jax.device_count()}: run it through "
-        "tests/test_sharding.py, or with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-        "JAX_PLATFORMS=cpu set before JAX starts."
-    )
+import tied
 
 VOCAB, DIM, HEADS, SEQ, BATCH, STEPS = 40, 16, 2, 9, 8, 3
 
