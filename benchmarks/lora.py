@@ -18,8 +18,6 @@ positions, pre-LN transformer blocks, a final LayerNorm. Adapters (rank 8) on ev
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +27,7 @@ import optax
 import tied
 from tied.nn import Dense, Embedding, LayerNorm, TransformerBlock
 
-from .timing import arguments, rotated
+from .timing import arguments, interleaved
 
 TARGET = 1.10
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, RANK, ALPHA = 2048, 128, 4, 4, 64, 8, 8, 16
@@ -181,24 +179,10 @@ def step_workload(tx):
 
 
 def _interleaved(runs: dict, rounds: int, repeat: int) -> dict:
-    names = list(runs)
-    firsts = {n: [float(runs[n]()) for _ in range(3)] for n in names}  # compile, warm up
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for n in rotated(names, rounds):  # neither always first
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            out = runs[n]()
-        jax.block_until_ready(out)
-        times[n].append((time.perf_counter() - t0) / repeat)
-    a, b = names
-    ratios = [x / y for x, y in zip(times[a], times[b])]
-    return {
-        "seconds": {n: statistics.median(t) for n, t in times.items()},
-        "ratio": statistics.median(ratios),
-        "ratio_range": (min(ratios), max(ratios)),
-        "first_losses": firsts,
-        "same_losses": bool(np.allclose(firsts[a], firsts[b], rtol=1e-4)),
-    }
+    out = interleaved(runs, rounds, repeat, warm=3)
+    firsts = {n: [float(x) for x in v] for n, v in out.pop("firsts").items()}
+    a, b = firsts
+    return {**out, "first_losses": firsts, "same_losses": bool(np.allclose(firsts[a], firsts[b], rtol=1e-4))}
 
 
 def run(rounds: int = 7, repeat: int = 10) -> dict:

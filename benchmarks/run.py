@@ -33,6 +33,17 @@ from . import workloads as W
 from .timing import arguments, rotated
 
 HERE = Path(__file__).resolve().parent
+SECTIONS = {
+    "host": host,
+    "checkpoint": checkpoint,
+    "sharded": sharded,
+    "manager": manager,
+    "state": state,
+    "deep": deep,
+    "quant": quant,
+    "pipeline": pipeline,
+    "lora": lora,
+}
 
 
 # ---------------------------------------------------------------- step time
@@ -345,24 +356,9 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{r['walk_seconds'] * 1e3:.1f} ms |"
         )
     lines.append("")
-    if "host" in results:
-        lines += host.report(results["host"])
-    if "checkpoint" in results:
-        lines += checkpoint.report(results["checkpoint"])
-    if "sharded" in results:
-        lines += sharded.report(results["sharded"])
-    if "manager" in results:
-        lines += manager.report(results["manager"])
-    if "state" in results:
-        lines += state.report(results["state"])
-    if "deep" in results:
-        lines += deep.report(results["deep"])
-    if "quant" in results:
-        lines += quant.report(results["quant"])
-    if "pipeline" in results:
-        lines += pipeline.report(results["pipeline"])
-    if "lora" in results:
-        lines += lora.report(results["lora"])
+    for name, module in SECTIONS.items():  # each benchmark's own section, in this order
+        if name in results:
+            lines += module.report(results[name])
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -21,8 +21,6 @@ with the min and max beside it):
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,7 @@ import tied
 from tied import demo
 from tied.nn import BatchNorm, Chain, Dense, Dropout
 
-from .timing import arguments, rotated
+from .timing import arguments, interleaved
 
 TARGETS = {"batchnorm_dropout_step": 1.05, "kv_decode_64": 1.10}
 WIDTH, BATCH, IN, CLASSES, RATE, MOM, EPS = 512, 256, 256, 10, 0.1, 0.1, 1e-5
@@ -216,25 +214,11 @@ KEY = jax.random.key(42)
 
 
 def _interleaved(runs: dict, rounds: int, repeat: int) -> dict:
-    names = list(runs)
-    firsts = {n: [np.asarray(runs[n]()) for _ in range(2)] for n in names}  # compile, warm up
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for n in rotated(names, rounds):  # neither always first
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            out = runs[n]()
-        jax.block_until_ready(out)
-        times[n].append((time.perf_counter() - t0) / repeat)
-    a, b = names
-    ratios = [x / y for x, y in zip(times[a], times[b])]
-    return {
-        "seconds": {n: statistics.median(t) for n, t in times.items()},
-        "ratio": statistics.median(ratios),
-        "ratio_range": (min(ratios), max(ratios)),
-        "same_result": bool(
-            all(np.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(firsts[a], firsts[b]))
-        ),
-    }
+    out = interleaved(runs, rounds, repeat, warm=2)
+    a, b = (out["firsts"][n] for n in runs)
+    same = all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5) for x, y in zip(a, b))
+    del out["firsts"]
+    return {**out, "same_result": bool(same)}
 
 
 def run(rounds: int = 7) -> dict:

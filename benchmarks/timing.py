@@ -12,6 +12,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+import jax
+
 
 def rotated(names: list[str], rounds: int) -> Iterator[str]:
     """``names`` once in each of ``rounds`` rounds; round ``r`` starts at name ``r mod len(names)``."""
@@ -37,6 +39,30 @@ def ratios(times: dict[str, list[float]], pairs: dict[str, tuple[str, str]]) -> 
     return {
         "ratio": {k: statistics.median(v) for k, v in per_round.items()},
         "ratio_range": {k: [min(v), max(v)] for k, v in per_round.items()},
+    }
+
+
+def interleaved(runs: dict[str, Callable[[], object]], rounds: int, repeat: int, warm: int) -> dict:
+    """Two systems ``runs`` (``{name: step}``) side by side: each called ``warm`` times first (compile,
+    warm up; its results are ``firsts``), then ``repeat`` calls per round in ``rounds`` rotated rounds.
+    The median seconds per call of each (``seconds``), the median per-round ratio of the first to the
+    second (``ratio``) and its ``(min, max)`` (``ratio_range``)."""
+    names = list(runs)
+    firsts = {n: [runs[n]() for _ in range(warm)] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for n in rotated(names, rounds):  # neither always first
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            out = runs[n]()
+        jax.block_until_ready(out)
+        times[n].append((time.perf_counter() - t0) / repeat)
+    a, b = names
+    per_round = [x / y for x, y in zip(times[a], times[b])]
+    return {
+        "seconds": {n: statistics.median(t) for n, t in times.items()},
+        "ratio": statistics.median(per_round),
+        "ratio_range": (min(per_round), max(per_round)),
+        "firsts": firsts,
     }
 
 
