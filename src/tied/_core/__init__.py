@@ -8,7 +8,7 @@ from .errors import Located, ModelChangedError, where
 from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
 from .graphdef import GraphDef, expand, place_paths
 from .kinds import GraphError
-from .live import changed, check_written, restore, slots, write
+from .live import check_written, slots, write
 from .params import Trainable, is_param, trainable_mask
 from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, renew, with_child
 from .read import node_objects, read_places
@@ -36,7 +36,6 @@ __all__ = [
     "Trainable",
     "View",
     "at_or_below",
-    "changed",
     "check_written",
     "child",
     "covered",
@@ -64,7 +63,6 @@ __all__ = [
     "register",
     "renew",
     "register_state",
-    "restore",
     "slots",
     "structure_error",
     "ties",
