@@ -6,7 +6,7 @@ and writing into live objects. See README.md beside this file.
 from .classify import register, register_state, walkable_below
 from .errors import Located, ModelChangedError, where
 from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
-from .graphdef import GraphDef, expand, place_paths
+from .graphdef import GraphDef, expand
 from .kinds import GraphError
 from .live import check_written, slots, write
 from .params import Trainable, is_param, trainable_mask
@@ -55,7 +55,6 @@ __all__ = [
     "take",
     "node_objects",
     "place_name",
-    "place_paths",
     "plan_cache",
     "put",
     "read_places",
