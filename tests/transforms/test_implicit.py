@@ -725,6 +725,28 @@ def test_fun_that_removes_a_parameter_place_names_it():
     assert model["ws"] == [w1] and model["ws"][0] is w1  # what could be restored, was
 
 
+def test_put_back_tries_every_place_after_one_fails_and_names_each_that_failed():
+    # Each array at two places; fun removes the first place of each. The places after a failed
+    # one (the tie's other place, the next array's) still get the original array back, and the
+    # message names both places that could not be written, in walk order.
+    w1, w2 = jnp.ones(2), jnp.full(2, 2.0)
+    model = {"a": [w1], "b": w1, "c": [w2], "d": w2}
+
+    def fun():
+        model["a"].pop()
+        model["c"].pop()
+        return (model["b"] * model["d"]).sum()
+
+    with pytest.raises(
+        tied.GraphError,
+        match=r"^\['a'\]\[0\], \['c'\]\[0\]: tied\.gradient could not put the original array back here "
+        r"\(IndexError: .*\); the container was changed while it ran\. Those places may still hold",
+    ):
+        tied.gradient(fun, tied.params(model))
+    assert model["a"] == [] and model["c"] == []
+    assert model["b"] is w1 and model["d"] is w2  # tried after the failures, put back
+
+
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_base_exceptions_inside_fun_leave_the_model_as_it_was(exc):
     d1, d2, c, x = seed()

@@ -199,3 +199,17 @@ def test_a_sharding_over_a_subtree_with_a_reference_cycle():
     assert read_places(gdef, {"m": None}) == [[None]]
     out = tied.device_put({"m": a, "n": jnp.zeros(1)}, {"m": A, "n": None})
     assert out["m"][1] is out["m"] and out["m"][0].sharding == A
+
+
+def test_a_wrong_sharding_at_a_later_place_of_a_shared_node_in_a_graph_with_a_cycle_is_named():
+    """The places named are those of the shardings tree as read (every place of a shared node,
+    the cycle once round), not the first places only (an IndexError before)."""
+    shared = {"w": jnp.ones(2)}
+    a = [shared, shared]
+    a.append(a)
+    with pytest.raises(tied.GraphError, match=r"^tied\.device_put: \[1\]\['w'\]: expected a jax\.sharding"):
+        tied.device_put(a, [{"w": A}, {"w": "A"}, None])
+    with pytest.raises(ValueError, match=r"^tied\.device_put: \[0\]\['w'\] and \[1\]\['w'\] hold one shared"):
+        tied.device_put(a, [{"w": A}, {"w": B}, None])
+    out = tied.device_put(a, [{"w": A}, None, None])
+    assert out[0] is out[1] and out[2] is out and out[0]["w"].sharding == A

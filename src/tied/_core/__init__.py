@@ -6,9 +6,9 @@ and writing into live objects. See README.md beside this file.
 from .classify import register, register_state, walkable_below
 from .errors import Located, ModelChangedError, where
 from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
-from .graphdef import GraphDef, expand, place_paths
+from .graphdef import GraphDef, expand
 from .kinds import GraphError
-from .live import changed, check_written, restore, slots, write
+from .live import check_written, slots, write
 from .params import Trainable, is_param, trainable_mask
 from .places import LEAF_KINDS, PathError, Places, child, get, is_array, is_prefix, put, renew, with_child
 from .read import node_objects, read_places
@@ -36,7 +36,6 @@ __all__ = [
     "Trainable",
     "View",
     "at_or_below",
-    "changed",
     "check_written",
     "child",
     "covered",
@@ -56,7 +55,6 @@ __all__ = [
     "take",
     "node_objects",
     "place_name",
-    "place_paths",
     "plan_cache",
     "put",
     "read_places",
@@ -64,7 +62,6 @@ __all__ = [
     "register",
     "renew",
     "register_state",
-    "restore",
     "slots",
     "structure_error",
     "ties",

@@ -320,13 +320,15 @@ class GraphDef:
                 out.append((j, layout))
         return out
 
-    def expand(self) -> tuple[GraphDef, tuple[int, ...]]:
+    def expand(self, *, keep_state: bool = False) -> tuple[GraphDef, tuple[int, ...]]:
         """The graph unrolled into a tree: one node or leaf per *place*, no sharing left.
 
         Returns the tree's GraphDef and, for each of its leaves (one per array place, in
         walk order), the index of the unique array that stands there. ``tied.unflatten(
         tree_def, [leaves[i] for i in place_leaf])`` builds the model as a plain pytree
         holds it: every place its own container (a reference cycle is a `GraphError`).
+        With ``keep_state``, a state cell stays one node at all its places (state is one
+        object, never a per-place copy). Kept on the GraphDef: a second call costs nothing.
 
         Examples:
             >>> import jax.numpy as jnp, tied
@@ -335,8 +337,11 @@ class GraphDef:
             >>> tree_def, place_leaf = gdef.expand()
             >>> place_leaf, tree_def.num_leaves
             ((0, 0), 2)
+            >>> cell = tied.State(w)
+            >>> tied.flatten({"a": cell, "b": cell})[1].expand(keep_state=True)[1]   # one cell
+            (0,)
         """
-        return expand(self)
+        return expand(self, keep_state=keep_state)
 
     def place_leaves(self) -> tuple[tuple[str, int], ...]:
         """Every array *place* in walk order (a tie counted at each of its places), as

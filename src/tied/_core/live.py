@@ -45,9 +45,7 @@ __all__ = [
     "write_plan",
     "WritePlan",
     "write",
-    "restore",
     "check_written",
-    "changed",
 ]
 
 
@@ -533,30 +531,6 @@ def write(places: list[list[Callable[[Any], None]]], values: Sequence[Any]) -> N
             set_place(v)
 
 
-def restore(places: list[list[Slot]], values: Sequence[Any], *, action: str) -> None:
-    """Put ``values`` back at every place, trying every place even if some fail.
-
-    Raises:
-        GraphError: naming each place that could not be written back (the model
-            was changed there while ``action`` ran), after all others were.
-    """
-    failed: list[str] = []
-    first: BaseException | None = None
-    for at, v in zip(places, values):
-        for slot in at:
-            try:
-                slot(v)
-            except Exception as e:
-                failed.append(slot.path or "<root>")
-                first = first or e
-    if failed:
-        raise GraphError(
-            f"{', '.join(failed)}: {action} could not put the original array back here "
-            f"({type(first).__name__}: {first}); the container was changed while it ran. "
-            "Those places may still hold traced values: assign arrays to them."
-        ) from first
-
-
 def check_written(model: Any, gdef: GraphDef, expected: list, places: list[list[Slot]], *, why: str) -> None:
     """Check that a walk of ``model`` now finds ``expected`` (by identity) with ``gdef``.
 
@@ -583,14 +557,3 @@ def check_written(model: Any, gdef: GraphDef, expected: list, places: list[list[
         if k >= len(expected) or x is not expected[k]:
             raise GraphError(why, paths[0])
     raise GraphError(why, "")
-
-
-def changed(places: list[list[Slot]], values: Sequence[Any]) -> list[Slot]:
-    """The places that no longer hold what was written there (``values[n]`` for ``places[n]``)."""
-    out = []
-    cache: dict = {}  # containers stay alive in their slots, so their ids stay unique
-    for at, v in zip(places, values):
-        for slot in at:
-            if slot.get(cache) is not v:
-                out.append(slot)
-    return out

@@ -29,12 +29,10 @@ from .._core import (
     GraphError,
     Trainable,
     View,
-    changed,
     check_written,
     flatten,
     is_param,
     live_lock,
-    restore,
     slots,
     trainable_mask,
     write,
@@ -403,7 +401,7 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
             grads, new_state = jax.grad(f, has_aux=True)(originals)
             done = True
         finally:
-            restore(where, originals, action="tied.gradient")
+            _restore(where, originals)
             # State is written back concretely after a call, and put back as it was after a
             # failure: a traced value never stays in the model.
             if done:
@@ -430,7 +428,7 @@ def _check_after(model: Any, gdef: GraphDef, expected: list, where: list, values
     leaves, now = flatten(model)
     if now == gdef and all(a is b for a, b in zip(leaves, expected)):
         return
-    moved = changed(where, values)
+    moved = _changed(where, values)
     if moved:
         raise GraphError(
             f"{', '.join(s.path or '<root>' for s in moved)}: fun assigned a new value to this "
@@ -456,6 +454,42 @@ def _check_after(model: Any, gdef: GraphDef, expected: list, where: list, values
                 "an array to it. Store jax.lax.stop_gradient(value) instead (running "
                 "statistics), or compute it outside fun."
             )
+
+
+def _changed(places: list[list[Any]], values: list) -> list:
+    """The slots (`slots`) that no longer hold what was written there (``values[n]`` for
+    ``places[n]``)."""
+    out = []
+    cache: dict = {}  # containers stay alive in their slots, so their ids stay unique
+    for at, v in zip(places, values):
+        for slot in at:
+            if slot.get(cache) is not v:
+                out.append(slot)
+    return out
+
+
+def _restore(places: list[list[Any]], values: list) -> None:
+    """Put ``values`` back at every slot (`slots`), trying every place even if some fail.
+
+    Raises:
+        GraphError: naming each place that could not be written back (the model
+            was changed there while ``fun`` ran), after all others were.
+    """
+    failed: list[str] = []
+    first: BaseException | None = None
+    for at, v in zip(places, values):
+        for slot in at:
+            try:
+                slot(v)
+            except Exception as e:
+                failed.append(slot.path or "<root>")
+                first = first or e
+    if failed:
+        raise GraphError(
+            f"{', '.join(failed)}: tied.gradient could not put the original array back here "
+            f"({type(first).__name__}: {first}); the container was changed while it ran. "
+            "Those places may still hold traced values: assign arrays to them."
+        ) from first
 
 
 _NOT_SEEN = (

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from .._core import GraphDef, GraphError, Places, expand, flatten, get, place_paths, read_places, rebuild
+from .._core import GraphDef, GraphError, Places, flatten, get, read_places, rebuild
 
 __all__ = ["device_put", "sharding_tree", "fsdp", "data_parallel", "DataParallel"]
 
@@ -81,13 +81,9 @@ def _same_layout(a: Any, b: Any, ndim: int) -> bool:
 
 
 def _paths_of(gdef: GraphDef, i: int) -> list[str]:
-    """The paths of unique leaf ``i`` at every place, in `read_places` order."""
-    try:
-        tree_def, place_leaf = expand(gdef)
-    except GraphError:  # a reference cycle: first places only
-        return list(place_paths(gdef).leaves[i])
-    tree_paths = place_paths(tree_def).leaves
-    return [tree_paths[p][0] for p, q in enumerate(place_leaf) if q == i]
+    """The paths of unique leaf ``i`` at every place, in `read_places` order (a reference
+    cycle followed once round, as `read_places` does)."""
+    return [path for path, q in gdef.place_leaves() if q == i]
 
 
 def _describe_sharding(s: Any) -> str:
@@ -274,14 +270,13 @@ def sharding_tree(
         True
     """
     leaves, gdef = flatten(tree)
-    tree_def, place_leaf = expand(gdef)
+    tree_def, place_leaf = gdef.expand()
     if callable(rules):
-        paths = place_paths(tree_def).leaves
 
         def named(s: Any) -> Any:
             return NamedSharding(mesh, s) if mesh is not None and isinstance(s, PartitionSpec) else s
 
-        return rebuild(tree_def, [named(rules(paths[p][0], leaves[q])) for p, q in enumerate(place_leaf)])
+        return rebuild(tree_def, [named(rules(path, leaves[q])) for path, q in gdef.place_leaves()])
     chosen = _by_rules(tree, leaves, gdef, _checked_rules(rules), mesh, stack_axis)
     return rebuild(tree_def, [chosen[q] for q in place_leaf])
 
