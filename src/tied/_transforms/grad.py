@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -33,50 +32,9 @@ from .escapes import (
     static_snapshot,
     write_back_checked,
 )
+from .totals import is_total, mark_total
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
-
-# ---------------------------------------------------------------- gradients tied vouches for
-#
-# Plain jax.grad may hand one cotangent object to two places (both operands of
-# ``a + b``), which looks exactly like tied's aliased total but is two partials.
-# So an array found at several places of a tie is read as a total only when tied
-# made it one. Arrays are marked by a weak reference, so a marked array that dies
-# is forgotten and a new object reusing its id is never taken for it.
-
-
-class _Mark(weakref.ref):
-    __slots__ = ("key",)
-
-
-_totals: dict[int, _Mark] = {}
-
-
-def _forget(ref: _Mark) -> None:
-    if _totals.get(ref.key) is ref:
-        _totals.pop(ref.key, None)
-
-
-def mark_total(x: Any) -> None:
-    """Record that ``x`` is a total gradient made by tied (so an aliased ``x`` counts once).
-
-    For layers that hand tied's totals on (`tied.jit` rebuilding its outputs).
-    Anything that cannot be weakly referenced (None, a View) is ignored.
-    """
-    if x is None or isinstance(x, (int, float, complex)):
-        return
-    try:
-        ref = _Mark(x, _forget)
-    except TypeError:
-        return
-    ref.key = id(x)
-    _totals[id(x)] = ref
-
-
-def is_total(x: Any) -> bool:
-    """Whether ``x`` is a total gradient tied made (`mark_total`), by identity."""
-    ref = _totals.get(id(x))
-    return ref is not None and ref() is x
 
 
 def _gradient_tree(structure: GraphDef, grads: list, *, totals: bool = True) -> Any:

@@ -34,9 +34,9 @@ from .escapes import (
     refuse_static_writes,
     static_snapshot,
 )
-from .grad import is_total, mark_total
 from .lift import learn_output, output_of
 from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
+from .totals import is_total, mark_total
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 

@@ -31,7 +31,7 @@ import jax
 from .._core import GraphDef, GraphError, flatten, rebuild, structure_error
 from .checks import check_scope, run_checks
 from .escapes import write_back_checked
-from .grad import is_total, mark_total
+from .totals import is_total, mark_total
 
 __all__ = ["Learnt", "call_on_copy", "read_writes", "learn_output", "output_of", "finish"]
 
