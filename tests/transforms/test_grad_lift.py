@@ -258,3 +258,31 @@ def test_a_failed_check_in_a_lifted_transform_inside_the_loss_raises_its_own_err
         fn, x = (tied.jit(f) if inner == "jit" else tied.remat(f)), xs[1]
     with pytest.raises(ValueError, match=rf"^check: the loss reached {s_ref[1]:.1f}, over the limit$"):
         tied.grad(fn)(m, x)
+
+
+# ---------------------------------------------------------------- tied.jit on the same lift
+
+
+def test_tied_jit_refuses_a_dead_tracer_written_as_state_also_when_the_function_makes_a_check():
+    """State written inside a plain jax.checkpoint that closes over the model: tied's GraphError
+    naming the place, with or without a check in the function (on main, with a check, the
+    dead tracer was looked for among the check's values: JAX's raw UnexpectedTracerError)."""
+    for with_check in (False, True):
+        cell = tied.State(jnp.zeros(2))
+        m = {"w": jnp.ones(2), "s": cell}
+
+        def f(m, x, with_check=with_check):
+            def body(y):
+                m["s"].value = m["s"].value + y  # closes over the model
+                return y * 2
+
+            out = jax.checkpoint(body)(x)
+            if with_check:
+                check(x.sum() > 100.0, _too_big, x)
+            return out.sum()
+
+        with pytest.raises(
+            tied.GraphError, match=r"^args\[0\]\['s'\]\.value: tied\.jit: state was written inside"
+        ):
+            tied.jit(f)(m, jnp.ones(2))
+        assert np.array_equal(cell.value, np.zeros(2))

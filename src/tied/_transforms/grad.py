@@ -155,9 +155,7 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
                 copy,
                 where,  # the model's own paths (the root is what was given, not jit's args)
                 what="the loss",
-                out_of="the gradient computation",
-                advice="Change the model outside the loss, or write new values only into existing "
-                "places (a tied.State's .value).",
+                refusal={"out_of": "the gradient computation", "advice": _ADVICE},
             )
             learnt = Learnt(tuple(written), tuple(checks.checks))  # as static data
             value, aux = out if has_aux else (out, None)
@@ -186,6 +184,12 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
         return (value, aux) if has_aux else value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+_ADVICE = (
+    "Change the model outside the loss, or write new values only into existing places "
+    "(a tied.State's .value)."
+)
 
 
 def _inputs(gdef: GraphDef, leaves: list, trainable: Any, per_location: bool) -> tuple:

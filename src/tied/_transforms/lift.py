@@ -18,8 +18,9 @@ differentiated, mapped, stacked or static):
 5. after the call, run the checks, write the new values into the caller's objects
    (`write_back`) and rebuild the output (`output_of`).
 
-`tied.jit` carries its output the same way (`learn_output`, `output_of`, its own `_Output` as
-the static data, since it also donates and shards).
+`tied.jit` runs its function the same way (`call_on_copy`, `read_writes`, `learn_output`,
+`output_of`), with its own `_Output` as the static data and its own write-back after the call,
+since it also donates and shards and its call is the hot path.
 """
 
 from __future__ import annotations
@@ -108,16 +109,18 @@ def read_writes(
     name: Callable[[str], str],
     *,
     what: str = "the function",
-    out_of: str = "the transform",
-    advice: str = _ADVICE,
+    refusal: dict | None = None,
+    flat: Callable[[Any], tuple[list, GraphDef]] = flatten,
 ) -> tuple[list, list[int]]:
-    """``(now, written)``: per input, its array after the call, and the indices of the inputs
-    the function (``what``) put a new value at; a change of structure is a `GraphError` naming
-    the first difference, and so is a write at a view's place (a materialised view is no
-    input)."""
-    after_leaves, after = flatten(copy.value)
+    """``(now, written)``: per input, its array after the call (read by ``flat``), and the
+    indices of the inputs the function (``what``) put a new value at; a change of structure is
+    a `GraphError` naming the first difference (``refusal``: its ``out_of`` and ``advice``, the
+    lifted transforms' unless given), and so is a write at a view's place (a materialised view
+    is no input)."""
+    after_leaves, after = flat(copy.value)
     if after != copy.gdef:
-        raise structure_error(copy.gdef, after, f"{who}: {what}", out_of=out_of, advice=advice, name=name)
+        why = {"out_of": "the transform", "advice": _ADVICE} if refusal is None else refusal
+        raise structure_error(copy.gdef, after, f"{who}: {what}", name=name, **why)
     if copy.same:
         return after_leaves, [q for q, (a, b) in enumerate(zip(after_leaves, copy.given)) if a is not b]
     # One object may stand at several inputs: cells given one array are two states, each its
