@@ -23,8 +23,8 @@ from .._core import (
     warn_none_selected,
     where,
 )
-from .escapes import copy_scope, refuse_dropped, refuse_static_ties, static_snapshot
-from .lift import Learnt, call_on_copy, finish, read_writes
+from .escapes import refuse_static_ties, static_snapshot
+from .lift import Learnt, call_on_copy, finish, read_writes, refusing_drops
 from .totals import is_total, mark_total
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
@@ -161,7 +161,7 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
             value, aux = out if has_aux else (out, None)
             return value, (aux, [now[i] for i in written], checks.values, learnt)
 
-        f = _refusing_drops(run, structure)
+        f = refusing_drops(run, structure, "tied.grad", _kept, where)
         (value, (aux, new_values, checked, learnt)), dparams = jax.value_and_grad(f, has_aux=True)(
             [inputs[i] for i in diff]
         )
@@ -223,21 +223,14 @@ def _refuse_shared_others(args: tuple, kwargs: dict, nums: tuple, single: bool, 
         refuse_static_ties(held, root, gdef, name, "an argument not differentiated (not in argnums)")
 
 
-def _refusing_drops(run: Callable, structure: GraphDef) -> Callable:
-    """``run`` (the loss on a rebuilt model), refusing state that a plain JAX transform inside
-    it wrote on a copy and dropped, or wrote as a tracer of a finished transform."""
-
-    def f(params):
-        with copy_scope() as scope:
-            result = run(params)
-        try:
-            kept = flatten(result)[0] + list(result[1][1])
-        except GraphError:
-            kept = list(result[1][1])
-        refuse_dropped(scope, structure, list(result[1][3].written), kept, "tied.grad", where)
-        return result
-
-    return f
+def _kept(result: tuple) -> tuple:
+    """What the loss's trace keeps (`refusing_drops`): its output and, last, the new values."""
+    values, learnt = result[1][1], result[1][3]
+    try:
+        arrays = flatten(result)[0] + list(values)
+    except GraphError:
+        arrays = list(values)
+    return list(learnt.written), arrays
 
 
 def _one_per_state(gdef: GraphDef, place_leaf: tuple, written: tuple, values: list) -> tuple[list, list]:

@@ -25,15 +25,13 @@ from .._core import (
 from . import explain
 from .checks import run_checks
 from .escapes import (
-    copy_scope,
     note_carried,
     note_copy,
-    refuse_dropped,
     refuse_static_ties,
     refuse_static_writes,
     static_snapshot,
 )
-from .lift import call_on_copy, learn_output, output_of, read_writes
+from .lift import call_on_copy, learn_output, output_of, read_writes, refusing_drops
 from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
 from .totals import is_total, mark_total
 
@@ -350,15 +348,11 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
             tuple(checks.checks),
         )
 
-    def flat_fun(donated_leaves, kept_leaves):
-        with copy_scope() as scope:  # state a plain JAX transform inside fun dropped: refused
-            out = traced(donated_leaves, kept_leaves)
-        # the arrays returned and written back: the checks' values, at the end, are neither
-        kept = out.leaves[: len(out.leaves) - sum(1 + n for _, n in out.checks)]
-        refuse_dropped(scope, gdef, out.written.indices, kept, "tied.jit")
-        return out
+    def kept(out: _Output) -> tuple:  # the arrays returned and written back, not the checks'
+        return out.written.indices, out.leaves[: len(out.leaves) - sum(1 + n for _, n in out.checks)]
 
-    return flat_fun
+    # state a plain JAX transform inside fun dropped: refused
+    return refusing_drops(traced, gdef, "tied.jit", kept)
 
 
 def _given_shardings(leaves: list) -> tuple | None:

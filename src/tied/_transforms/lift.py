@@ -33,10 +33,19 @@ import jax
 
 from .._core import GraphDef, GraphError, flatten, rebuild, structure_error
 from .checks import check_scope, run_checks
-from .escapes import own_copy, write_back_checked
+from .escapes import copy_scope, own_copy, refuse_dropped, write_back_checked
 from .totals import is_total, mark_total
 
-__all__ = ["Copy", "Learnt", "call_on_copy", "read_writes", "learn_output", "output_of", "finish"]
+__all__ = [
+    "Copy",
+    "Learnt",
+    "call_on_copy",
+    "read_writes",
+    "refusing_drops",
+    "learn_output",
+    "output_of",
+    "finish",
+]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -145,6 +154,25 @@ def read_writes(
         now[i] = a
         written.append(i)
     return now, written
+
+
+def refusing_drops(
+    traced: Callable, gdef: GraphDef, who: str, kept: Callable[[Any], tuple], name: Any = None
+) -> Callable:
+    """``traced`` (a transform's traced body over a copy of ``gdef``'s arguments), refusing
+    state that a plain JAX transform inside it wrote on a copy and dropped, or wrote as a tracer
+    of a finished transform (`escapes.refuse_dropped`). ``kept(result)`` gives ``(written,
+    arrays)``: the inputs written and the arrays the transform returns or writes back, ending
+    with the written ones' new values."""
+
+    def f(*args: Any) -> Any:
+        with copy_scope() as scope:
+            result = traced(*args)
+        written, arrays = kept(result)
+        refuse_dropped(scope, gdef, written, arrays, who, name)
+        return result
+
+    return f
 
 
 def learn_output(out: Any) -> tuple[list, GraphDef, tuple[int, ...]]:
