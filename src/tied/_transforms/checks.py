@@ -12,6 +12,11 @@ which JAX would clamp onto its last rows: a wrong answer that raises nothing) ca
   decode 4.5x the hand-written one: every call went through Python dispatch).
 * In a `tied.scan`, `tied.vmap` or `tied.remat` body: carried out as one flag per step or
   example, and checked around it (under `tied.jit`, after the call; eagerly, when it returns).
+* On the parameters' tracers in a `tied.grad` loss: carried out beside the aux, and checked
+  when the gradient returns (under `tied.jit`, after its call).
+* A check is carried out by the innermost of those whose trace made its values, the others of
+  traces around it (a cache's position, of `tied.jit`'s trace, checked in a `tied.grad` loss
+  under it is `tied.jit`'s; with the loss's value as an operand, the gradient's).
 * Anywhere else in a traced program (`jax.jit`, `jax.vmap`, `jax.lax.scan`): a host callback
   inside a ``cond``, called only when ``bad`` holds (batched under ``vmap``: ``fail`` looks at
   every example), as Equinox's ``error_if`` does.
@@ -66,14 +71,13 @@ def check(bad: Any, fail: Callable[..., None], *operands: Any) -> None:
     if not any(isinstance(x, jax.core.Tracer) for x in (bad, *operands)):
         fail(np.asarray(bad), *(np.asarray(x) for x in operands))
         return
-    stack = getattr(_scopes, "stack", None)
-    scope = stack[-1] if stack else None
-    trace = trace_of(bad)
-    if scope is not None and trace is not None and trace is scope.trace:
-        if all(trace_of(x) in (None, trace) for x in operands):
-            scope.checks.append((fail, len(operands)))
-            scope.values.extend([jnp.asarray(bad), *operands])  # whole: `fail` names the first bad one
-            return
+    if not isinstance(bad, jax.core.Tracer) and not np.any(bad):  # known now to hold nowhere
+        return
+    scope = _scope_of([bad, *operands])
+    if scope is not None:
+        scope.checks.append((fail, len(operands)))
+        scope.values.extend([jnp.asarray(bad), *operands])  # whole: `fail` names the first bad one
+        return
     jax.lax.cond(
         jnp.any(bad),
         lambda b, *xs: jax.debug.callback(fail, b, *xs),
@@ -81,6 +85,20 @@ def check(bad: Any, fail: Callable[..., None], *operands: Any) -> None:
         bad,
         *operands,
     )
+
+
+def _scope_of(values: list) -> CheckScope | None:
+    """The innermost open scope whose trace made one of ``values``, if every other traced value
+    is of its trace or of a scope around it (a value the body closes over): the flags and
+    operands are then values its transform can return. (Under `tied.grad` a comparison of the
+    parameters' tracers is concrete: the loss's value, an operand, says whose check it is.)"""
+    traces = {id(t) for t in map(trace_of, values) if t is not None}
+    stack = getattr(_scopes, "stack", ())
+    for k in range(len(stack) - 1, -1, -1):
+        if id(stack[k].trace) in traces:
+            around = {id(c.trace) for c in stack[: k + 1]}
+            return stack[k] if traces <= around else None
+    return None
 
 
 def run_checks(checks: tuple, values: list) -> None:
@@ -91,7 +109,7 @@ def run_checks(checks: tuple, values: list) -> None:
     for fail, n in checks:
         flag, operands = values[at], values[at + 1 : at + 1 + n]
         at += 1 + n
-        if isinstance(flag, jax.core.Tracer):
+        if any(isinstance(x, jax.core.Tracer) for x in (flag, *operands)):
             check(flag, fail, *operands)
         elif np.any(flag):  # a flag per step where a tied.scan carried them out
             fail(np.asarray(flag), *(np.asarray(x) for x in operands))

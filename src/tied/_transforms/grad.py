@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -20,63 +19,15 @@ from .._core import (
     is_param,
     read_places,
     rebuild,
-    structure_error,
     trainable_mask,
     warn_none_selected,
     where,
 )
-from .escapes import (
-    copy_scope,
-    own_copy,
-    refuse_dropped,
-    refuse_static_ties,
-    static_snapshot,
-    write_back_checked,
-)
+from .escapes import refuse_static_ties, static_snapshot
+from .lift import Learnt, call_on_copy, finish, read_writes, refusing_drops
+from .totals import is_total, mark_total
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
-
-# ---------------------------------------------------------------- gradients tied vouches for
-#
-# Plain jax.grad may hand one cotangent object to two places (both operands of
-# ``a + b``), which looks exactly like tied's aliased total but is two partials.
-# So an array found at several places of a tie is read as a total only when tied
-# made it one. Arrays are marked by a weak reference, so a marked array that dies
-# is forgotten and a new object reusing its id is never taken for it.
-
-
-class _Mark(weakref.ref):
-    __slots__ = ("key",)
-
-
-_totals: dict[int, _Mark] = {}
-
-
-def _forget(ref: _Mark) -> None:
-    if _totals.get(ref.key) is ref:
-        _totals.pop(ref.key, None)
-
-
-def mark_total(x: Any) -> None:
-    """Record that ``x`` is a total gradient made by tied (so an aliased ``x`` counts once).
-
-    For layers that hand tied's totals on (`tied.jit` rebuilding its outputs).
-    Anything that cannot be weakly referenced (None, a View) is ignored.
-    """
-    if x is None or isinstance(x, (int, float, complex)):
-        return
-    try:
-        ref = _Mark(x, _forget)
-    except TypeError:
-        return
-    ref.key = id(x)
-    _totals[id(x)] = ref
-
-
-def is_total(x: Any) -> bool:
-    """Whether ``x`` is a total gradient tied made (`mark_total`), by identity."""
-    ref = _totals.get(id(x))
-    return ref is not None and ref() is x
 
 
 def _gradient_tree(structure: GraphDef, grads: list, *, totals: bool = True) -> Any:
@@ -164,7 +115,10 @@ def value_and_grad(
 
 def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) -> Callable:
     """`value_and_grad`, its arguments as there; ``name`` (``"tied.grad"`` or
-    ``"tied.value_and_grad"``) is the transform a refused change of structure names."""
+    ``"tied.value_and_grad"``) is the transform a refused change of structure names. The copy,
+    the read of the loss's writes, its checks and the write-back are the lift's (`lift.py`);
+    what is grad's own: which arguments and parameters are differentiated, the places apart
+    under ``per_location``, the call of `jax.value_and_grad` and the gradient tree."""
     nums, single = _argnums(argnums)
 
     @functools.wraps(fun)
@@ -176,55 +130,48 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
                     f"with {len(args)} positional arguments."
                 )
         # A single argument is flattened alone, so that error paths are the model's own.
-        leaves, gdef = flatten(args[nums[0]] if single else tuple(args[i] for i in nums))
+        model = args[nums[0]] if single else tuple(args[i] for i in nums)
+        leaves, gdef = flatten(model)
         _refuse_shared_others(args, kwargs, nums, single, gdef, name)
-        mask = trainable_mask(gdef, leaves, trainable)
-        if trainable is not None and not any(mask):
-            state = gdef.state_leaves()
-            paths = gdef.leaf_paths()
-            params = [paths[q][0] for q, x in enumerate(leaves) if is_param(x) and not state[q]]
-            warn_none_selected(trainable, params, who="tied.grad", stacklevel=3)
-        if per_location:
-            structure, place_leaf = expand(gdef, keep_state=True)  # state: one object
-            inputs = [leaves[q] for q in place_leaf]
-            diff = [k for k, q in enumerate(place_leaf) if mask[q]]
-        else:
-            structure, inputs = gdef, leaves
-            diff = [i for i, m in enumerate(mask) if m]
+        structure, inputs, diff, place_leaf = _inputs(gdef, leaves, trainable, per_location)
+
+        def call(copy):
+            new_args = list(args)
+            for i, a in zip(nums, (copy,) if single else copy):
+                new_args[i] = a
+            return fun(*new_args, **kwargs)
 
         def run(params):
             full = list(inputs)
             for i, p in zip(diff, params):
                 full[i] = p
-            selected = rebuild(structure, full, materialize=True)
-            before_leaves, before = flatten(selected)
-            copy = selected
-            if single:
-                selected = (selected,)
-            new_args = list(args)
-            for i, a in zip(nums, selected):
-                new_args[i] = a
-            with own_copy(
-                copy, before, before_leaves
-            ):  # tied.scan/remat inside may write this trace's values into it
-                out = fun(*new_args, **kwargs)
+            # tied.scan/remat inside may write this trace's values into the copy (own); the
+            # checks made on the parameters' tracers are carried out beside the aux
+            copy, out, checks = call_on_copy(structure, full, call, list(params), materialize=True, own=True)
             # State written during the forward pass (or a parameter replaced) goes back to
             # the caller's objects after the call, as if the loss had run on them.
-            after_leaves, after = flatten(selected[0] if single else selected)
-            new = _written(before, before_leaves, after, after_leaves, full, name)
-            values = [v for _, v in new]
-            learnt = _Written(tuple(i for i, _ in new))  # the inputs written, as static data
-            return (out[0], (out[1], values, learnt)) if has_aux else (out, (None, values, learnt))
+            now, written = read_writes(
+                name,
+                copy,
+                where,  # the model's own paths (the root is what was given, not jit's args)
+                what="the loss",
+                refusal={"out_of": "the gradient computation", "advice": _ADVICE},
+            )
+            learnt = Learnt(tuple(written), tuple(checks.checks))  # as static data
+            value, aux = out if has_aux else (out, None)
+            return value, (aux, [now[i] for i in written], checks.values, learnt)
 
-        f = _refusing_drops(run, structure)
-        (value, (aux, new_values, learnt)), dparams = jax.value_and_grad(f, has_aux=True)(
+        f = refusing_drops(run, structure, "tied.grad", _kept, where)
+        (value, (aux, new_values, checked, learnt)), dparams = jax.value_and_grad(f, has_aux=True)(
             [inputs[i] for i in diff]
         )
-        if learnt.indices:
-            written = list(learnt.indices)
-            _write_state(args, nums, single, leaves, gdef, structure, written, new_values, per_location)
-        if has_aux:
-            value = (value, aux)
+        written = learnt.written
+        if per_location and written:
+            written, new_values = _one_per_state(gdef, place_leaf, written, new_values)
+        # the checks' flags first: a failed one leaves the caller's objects as they were
+        finish(
+            learnt, checked, (model, gdef, leaves), new_values, "tied.grad", written=written, by="the loss"
+        )
         grads: list = [None] * len(inputs)
         seen: set[int] = set()
         for i, g in zip(diff, dparams):
@@ -234,9 +181,36 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
                 g = jnp.copy(g)
             seen.add(id(g))
             grads[i] = g
-        return value, _gradient_tree(structure, grads, totals=not per_location)
+        return (value, aux) if has_aux else value, _gradient_tree(structure, grads, totals=not per_location)
 
     return wrapped
+
+
+_ADVICE = (
+    "Change the model outside the loss, or write new values only into existing places "
+    "(a tied.State's .value)."
+)
+
+
+def _inputs(gdef: GraphDef, leaves: list, trainable: Any, per_location: bool) -> tuple:
+    """``(structure, inputs, diff, place_leaf)``: what the loss's copy is rebuilt from (``gdef``
+    and its arrays, or under ``per_location`` one input per place, a state cell one object),
+    which inputs are differentiated (the trainable parameters), and each input's unique array."""
+    mask = trainable_mask(gdef, leaves, trainable)
+    if trainable is not None and not any(mask):
+        state = gdef.state_leaves()
+        paths = gdef.leaf_paths()
+        params = [paths[q][0] for q, x in enumerate(leaves) if is_param(x) and not state[q]]
+        warn_none_selected(trainable, params, who="tied.grad", stacklevel=4)
+    if not per_location:
+        return gdef, leaves, [i for i, m in enumerate(mask) if m], None
+    structure, place_leaf = expand(gdef, keep_state=True)  # state: one object
+    return (
+        structure,
+        [leaves[q] for q in place_leaf],
+        [k for k, q in enumerate(place_leaf) if mask[q]],
+        place_leaf,
+    )
 
 
 def _refuse_shared_others(args: tuple, kwargs: dict, nums: tuple, single: bool, gdef: GraphDef, name: str):
@@ -249,96 +223,30 @@ def _refuse_shared_others(args: tuple, kwargs: dict, nums: tuple, single: bool, 
         refuse_static_ties(held, root, gdef, name, "an argument not differentiated (not in argnums)")
 
 
-@jax.tree_util.register_pytree_node_class
-class _Written:
-    """Which inputs the loss wrote (``indices``), carried out of `jax.value_and_grad` as
-    static auxiliary data (a pytree node with no leaves), not through a closure."""
-
-    __slots__ = ("indices",)
-
-    def __init__(self, indices: tuple[int, ...]):
-        self.indices = indices
-
-    def tree_flatten(self):
-        return (), self.indices
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple, children: Any) -> _Written:
-        return cls(aux)
+def _kept(result: tuple) -> tuple:
+    """What the loss's trace keeps (`refusing_drops`): its output and, last, the new values."""
+    values, learnt = result[1][1], result[1][3]
+    try:
+        arrays = flatten(result)[0] + list(values)
+    except GraphError:
+        arrays = list(values)
+    return list(learnt.written), arrays
 
 
-def _refusing_drops(run: Callable, structure: GraphDef) -> Callable:
-    """``run`` (the loss on a rebuilt model), refusing state that a plain JAX transform inside
-    it wrote on a copy and dropped, or wrote as a tracer of a finished transform."""
-
-    def f(params):
-        with copy_scope() as scope:
-            result = run(params)
-        try:
-            kept = flatten(result)[0] + list(result[1][1])
-        except GraphError:
-            kept = list(result[1][1])
-        refuse_dropped(scope, structure, list(result[1][2].indices), kept, "tied.grad", where)
-        return result
-
-    return f
-
-
-def _written(
-    before: GraphDef, before_leaves: list, after: GraphDef, after_leaves: list, full: list, name: str
-) -> list:
-    """``(input index, new value)`` for each array the loss put at an existing place of its
-    model; a change of structure is an error naming ``name`` (it cannot be carried out of the
-    gradient)."""
-    if after != before:  # the model's own paths (the root is what was given, not jit's args)
-        raise structure_error(
-            before,
-            after,
-            f"{name}: the loss",
-            out_of="the gradient computation",
-            advice="Change the model outside the loss, or write new values only into existing places "
-            "(a tied.State's .value).",
-            name=where,
-        )
-    # One object may stand at several inputs: cells given one array are two states, each its
-    # own unique array, met in the same order in ``full`` and in the walk of the copy.
-    index: dict[int, list[int]] = {}
-    for i, x in enumerate(full):
-        index.setdefault(id(x), []).append(i)
-    met: dict[int, int] = {}
-    out = []
-    for b, a in zip(before_leaves, after_leaves):
-        n = met[id(b)] = met.get(id(b), -1) + 1
-        if a is b:
-            continue
-        at = index.get(id(b), ())
-        i = at[min(n, len(at) - 1)] if at else None
-        if i is None or full[i] is not b:
+def _one_per_state(gdef: GraphDef, place_leaf: tuple, written: tuple, values: list) -> tuple[list, list]:
+    """Under ``per_location`` the loss's writes are per input (per place); each unique array of
+    ``gdef`` is written once: a shared state written at two places computed apart is refused."""
+    by_leaf: dict[int, Any] = {}
+    for i, v in zip(written, values):
+        q = place_leaf[i]
+        if q in by_leaf:
             raise GraphError(
-                "tied.grad: the loss wrote a new value at a view's place; a view is a function of "
-                "its source and cannot be written. Write into the source's place instead."
+                f"{gdef.leaf_paths()[q][0] or '<root>'}: the loss wrote this shared state at two "
+                "of its places, which per_location=True computes apart; take the gradient "
+                "with per_location=False (state is one object at all its places)."
             )
-        out.append((i, a))
-    return out
-
-
-def _write_state(args, nums, single, leaves, gdef, structure, written, values, per_location) -> None:
-    """Write what the loss put into its model copy into the caller's own objects."""
-    if per_location:
-        place_leaf = expand(gdef, keep_state=True)[1]
-        by_leaf: dict[int, Any] = {}
-        for i, v in zip(written, values):
-            q = place_leaf[i]
-            if q in by_leaf:
-                raise GraphError(
-                    f"{gdef.leaf_paths()[q][0] or '<root>'}: the loss wrote this shared state at two "
-                    "of its places, which per_location=True computes apart; take the gradient "
-                    "with per_location=False (state is one object at all its places)."
-                )
-            by_leaf[q] = v
-        written, values = list(by_leaf), list(by_leaf.values())
-    model = args[nums[0]] if single else tuple(args[i] for i in nums)
-    write_back_checked(model, gdef, tuple(written), values, "tied.grad", leaves, "the loss")
+        by_leaf[q] = v
+    return list(by_leaf), list(by_leaf.values())
 
 
 def grad(

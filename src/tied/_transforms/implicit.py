@@ -39,6 +39,7 @@ from .._core import (
 )
 from .escapes import escaping_tracer
 from .grad import _gradient_tree
+from .lift import Learnt
 
 __all__ = ["Params", "Grads", "params", "gradient"]
 
@@ -375,7 +376,6 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
         originals = [leaves[i] for i in train]
 
         trained = set(train)
-        state_at: list[int] = []  # unique arrays (not trained) that fun wrote: state
 
         def f(values: list) -> Any:
             values = list(values)
@@ -390,22 +390,22 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
                 new = [q for q, (a, b) in enumerate(zip(now_leaves, expected)) if a is not b]
                 if new and not trained.intersection(new):
                     # State written during the call (stop-gradiented by tied.State): its value
-                    # leaves the trace as aux data and is written back concretely after.
-                    state_at[:] = new
-                    return out, [now_leaves[q] for q in new]
+                    # leaves the trace as aux data, where it was as static data (never through
+                    # a list this function closes over), and is written back concretely after.
+                    return out, ([now_leaves[q] for q in new], Learnt(tuple(new)))
             _check_after(model, gdef, expected, where, values)
-            return out, []
+            return out, ([], Learnt())
 
         done = False
         try:
-            grads, new_state = jax.grad(f, has_aux=True)(originals)
+            grads, (new_state, learnt) = jax.grad(f, has_aux=True)(originals)
             done = True
         finally:
             _restore(where, originals)
             # State is written back concretely after a call, and put back as it was after a
             # failure: a traced value never stays in the model.
             if done:
-                at, back = state_at, (new_state if state_at else [])
+                at, back = list(learnt.written), new_state
             else:
                 now_leaves, now = flatten(model)
                 at = (

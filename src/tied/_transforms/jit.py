@@ -20,24 +20,21 @@ from .._core import (
     place_name,
     plan_cache,
     rebuild,
-    structure_error,
     write_back,
 )
 from . import explain
-from .checks import check_scope, run_checks
+from .checks import run_checks
 from .escapes import (
-    copy_scope,
     note_carried,
     note_copy,
-    refuse_dropped,
     refuse_new_static_arrays,
     refuse_static_ties,
     refuse_static_writes,
     static_snapshot,
 )
-from .grad import is_total, mark_total
-from .lift import learn_output, output_of
+from .lift import call_on_copy, learn_output, output_of, read_writes, refusing_drops
 from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
+from .totals import is_total, mark_total
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -300,17 +297,20 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
     ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
     existing places of its arguments (written back by the caller)."""
 
-    def traced(donated_leaves, kept_leaves):
-        both = list(donated_leaves) + list(kept_leaves)
-        leaves = [both[p] for p in inverse]
-        root = rebuild(gdef, leaves)
+    def call(root):
         dyn_args, dyn_kwargs = root
         args = list(dyn_args)
         for i, v in statics:
             args[i] = v
+        return fun(*args, **dyn_kwargs, **dict(kw_static))
+
+    def traced(donated_leaves, kept_leaves):
+        both = list(donated_leaves) + list(kept_leaves)
+        leaves = [both[p] for p in inverse]
         held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
-        with check_scope(both) as checks:  # values checked after the call (a cache's position)
-            out = fun(*args, **dyn_kwargs, **dict(kw_static))
+        # checks' values are read after the call (a cache's position)
+        copy, out, checks = call_on_copy(gdef, leaves, call, both)
+        dyn_args, dyn_kwargs = copy.value
         out_leaves, out_gdef, totals = learn_output(out)  # which are tied's totals: static data
         if out_shardings_fn is not None:
             out_leaves = out_shardings_fn(out_gdef, out_leaves)
@@ -320,10 +320,7 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
             )
         refuse_static_writes(held)
         # What fun wrote into its arguments: the same structure, new objects at some places.
-        after_leaves, after = flatten_arguments(root)
-        if after != gdef:
-            raise structure_error(gdef, after, "tied.jit: the function")
-        written = [q for q, (a, b) in enumerate(zip(leaves, after_leaves)) if a is not b]
+        after_leaves, written = read_writes("tied.jit", copy, place_name, refusal={}, flat=flatten_arguments)
         n_donated = len(donated_leaves)
         if n_donated:
             # A donated argument that is not handed back as an updated copy stays usable:
@@ -352,13 +349,11 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
             tuple(checks.checks),
         )
 
-    def flat_fun(donated_leaves, kept_leaves):
-        with copy_scope() as scope:  # state a plain JAX transform inside fun dropped: refused
-            out = traced(donated_leaves, kept_leaves)
-        refuse_dropped(scope, gdef, out.written.indices, out.leaves, "tied.jit")
-        return out
+    def kept(out: _Output) -> tuple:  # the arrays returned and written back, not the checks'
+        return out.written.indices, out.leaves[: len(out.leaves) - sum(1 + n for _, n in out.checks)]
 
-    return flat_fun
+    # state a plain JAX transform inside fun dropped: refused
+    return refusing_drops(traced, gdef, "tied.jit", kept)
 
 
 def _given_shardings(leaves: list) -> tuple | None:

@@ -158,7 +158,7 @@ def scan(
         full = _leaves_at(gdef.num_leaves, (s_idx, s), (b_idx, b))
         # checks are carried out per step, and checked at the level around
         copy, (carry, y), checks = call_on_copy(gdef, full, lambda copy: f(given, _layer(copy), x), full)
-        after, written = read_writes("tied.scan", gdef, full, copy, where)
+        after, written = read_writes("tied.scan", copy, where)
         for q in written:
             _check_scan_write(gdef, q, stacked[q], state[q], full[q], after[q])
         learnt = Learnt(
@@ -333,7 +333,7 @@ def vmap(
             full = _leaves_at(gdef.num_leaves, (mapped, m_leaves), (fixed, f_leaves))
             # checks are carried out per example, and checked around
             copy, out, checks = call_on_copy(gdef, full, call, list(m_leaves))
-            after, written = read_writes("tied.vmap", gdef, full, copy, _arg_name)
+            after, written = read_writes("tied.vmap", copy, _arg_name)
             for q in written:
                 if leaf_axes[q] != 0:
                     raise _unmapped_write(gdef, q, leaf_axes[q])
@@ -499,7 +499,7 @@ def remat(
             # checks are carried out, and checked around the remat
             copy, out, checks = call_on_copy(gdef, given, call, list(given))
             refuse_static_writes(held, who="tied.remat")
-            after, written = read_writes("tied.remat", gdef, list(given), copy, place_name)
+            after, written = read_writes("tied.remat", copy, place_name)
             out_leaves, out_gdef, totals = learn_output(out)
             learnt = Learnt(tuple(written), tuple(checks.checks), out_gdef, totals)
             return out_leaves, [after[q] for q in written], checks.values, learnt
