@@ -95,7 +95,7 @@ class Memo:
         "flatten_plan",  # the compiled flatten; False: none can be made
         "unflatten_uses",  # unflattens seen
         "unflatten_plans",  # materialize -> the compiled unflatten; False: walked
-        "write_plans",  # (written leaves, frozen_ok) -> `live.WritePlan`, or NO_PLAN
+        "writes",  # written leaves -> their places as one `slots` run found them; None: slots only
         "write_backs",  # written leaves -> the compiled re-check and write; False: none
     )
 
@@ -105,7 +105,7 @@ class Memo:
         self.post = self.order = self.layout = self.flatten_plan = None
         self.sightings, self.unflatten_uses = 1, 0
         self.unflatten_plans: dict = {}
-        self.write_plans: dict = {}
+        self.writes: dict = {}
         self.write_backs: dict = {}
 
 

@@ -20,7 +20,6 @@ from .._core import (
     is_param,
     read_places,
     rebuild,
-    structure_error,
     trainable_mask,
     warn_none_selected,
     where,
@@ -33,6 +32,7 @@ from .escapes import (
     static_snapshot,
     write_back_checked,
 )
+from .writes import structure_error
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
 

@@ -16,11 +16,8 @@ from .._core import (
     GraphDef,
     GraphError,
     flatten,
-    flatten_arguments,
-    place_name,
     plan_cache,
     rebuild,
-    structure_error,
     write_back,
 )
 from . import explain
@@ -37,6 +34,7 @@ from .escapes import (
 from .grad import is_total, mark_total
 from .lift import learn_output, output_of
 from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
+from .writes import flatten_arguments, place_name, structure_error
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -522,7 +520,7 @@ class Jitted:
             out_leaves = out_leaves[:n_checked]
         if written:
             n_out = len(out_leaves) - len(written)
-            write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves)
+            write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves, name=place_name)
             out_leaves = out_leaves[:n_out]
         return output_of(out.graphdef, out_leaves, out.totals)  # tied's totals known again
 

@@ -28,10 +28,11 @@ from typing import Any
 
 import jax
 
-from .._core import GraphDef, GraphError, flatten, rebuild, structure_error
+from .._core import GraphDef, GraphError, flatten, rebuild
 from .checks import check_scope, run_checks
 from .escapes import write_back_checked
 from .grad import is_total, mark_total
+from .writes import structure_error
 
 __all__ = ["Learnt", "call_on_copy", "read_writes", "learn_output", "output_of", "finish"]
 

@@ -121,7 +121,9 @@ def guarded(root):
   return None
 """
 # A write-back plan: ``plan(root, INP)`` reads and checks, handing out the containers the
-# writes go through; ``guarded`` makes the writes once every check has passed.
+# writes go through (a container a loop read is reached again once every check has passed, by
+# its first place: REACH); ``guarded`` makes the writes once every check has passed.
+REACH = "n{j} = {expr}"
 WRITE_BACK = """\
  return {held}
 def guarded(root, INP, V):
@@ -200,8 +202,8 @@ def compile_flatten(
     write-back, ``f(root, inputs, values)``: the same reading and checks, and the leaves
     must be ``inputs`` themselves (so they are distinct); only then every place is
     written, and it returns True (None, having written nothing, where the model is not
-    of this GraphDef or holds other arrays). None is returned, instead of a function,
-    when a written container is read in a loop. ``order`` is the walk order, where the
+    of this GraphDef or holds other arrays); a written container that a loop read is
+    reached by its first place once every check has passed. ``order`` is the walk order, where the
     caller has it at hand (`layout_and_order`, whose replay of the records makes it).
 
     The code reads every place into a local, then checks what the walk would have
@@ -259,6 +261,8 @@ class _FlattenEmitter:
         self.objects: list[tuple[str, str, Any, tuple]] = []
         self.code.objects = self.objects
         self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+        self.order: list = []  # the places in the walk's order (`read`)
+        self.first_place: dict[int, tuple[int, int]] | None = None  # node -> (parent, position)
         # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -298,6 +302,7 @@ class _FlattenEmitter:
         """Every place into a local, in the walk's ``order``: an array or a static at its place,
         a node with its kind's checks, a later place of either by identity."""
         emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
+        self.order = order
         run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
         if run_at:  # nodes read in loops whose identity must be checked (see loops.flatten_loop)
             emit("TN = []")
@@ -459,23 +464,39 @@ class _FlattenEmitter:
         """The flatten plan: the list of arrays, or None at the first difference."""
         return _compile("\n".join(self.lines) + "\n" + GUARDED, "flatten", self.ns, "guarded")
 
-    def write_back(self, writes: tuple) -> Callable[..., Any] | None:
-        """The write-back: the reading and checks, then the ``writes`` (None where a written
-        container is read in a loop). The writes run once every check has passed, outside the
-        guard: a setter that raises (a state cell refusing its value) is an error, never a
-        miss after half a write."""
+    def write_back(self, writes: tuple) -> Callable[..., Any]:
+        """The write-back: the reading and checks, then the ``writes``. The writes run once
+        every check has passed, outside the guard: a setter that raises (a state cell refusing
+        its value) is an error, never a miss after half a write."""
         self.lines[0] = "def plan(root, INP):"
+        for _, j, _ in writes:
+            self.reach(j)
         puts: list[str] = []
         code = Code(puts, " ", self.const)
         held: list[str] = []
         for n, j, i in writes:
-            if j not in self.seen_node:  # read in a loop: no local holds it
-                return None
             kind, meta, _ = self.records[j]
             held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, n))
         held = tup(list(dict.fromkeys(held)))
         source = WRITE_BACK.format(held=held, unpacked=held[1:-1], puts="\n".join(puts))
         return _compile("\n".join(self.lines) + "\n" + source, "write-back", self.ns, "guarded")
+
+    def reach(self, j: int) -> None:
+        """Node ``j``, read in a loop (no local holds it), into local ``n{j}``, its children's
+        expressions kept: from its first place, its parent reached first. Emitted after every
+        check, each step reads what the checks read: the very object the loop checked."""
+        if j in self.child_expr:  # read straight: its local holds it
+            return
+        if self.first_place is None:
+            self.first_place = {}
+            for parent, i, r in self.order:
+                if r % TAGS == NODE:
+                    self.first_place.setdefault(r // TAGS, (parent, i))
+        parent, i = self.first_place[j]
+        self.reach(parent)
+        kind, meta, refs = self.records[j]
+        self.emit(REACH, j=j, expr=self.child_expr[parent][i])
+        self.child_expr[j] = EMITTERS[kind].reach(self.code, f"n{j}", meta, len(refs), str(j))
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:

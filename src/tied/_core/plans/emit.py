@@ -224,6 +224,13 @@ class Emitter:
         """A node built at once, its children made before (no cycle passes through it)."""
         self.make(code, y, meta, refs, args, ref)
 
+    def reach(self, code: Code, v: str, meta: Any, n: int, at: str) -> list[str]:
+        """The expressions of the children of the node in local ``v``, with no check: a
+        write-back plan reaching, once every check has passed, a container a loop read."""
+        c, a = code.local("c", at), code.local("a", at)
+        code.emit(CALL_CHILDREN, c=c, a=a, call=code.const(self.kind.children, "CH"), v=v)
+        return [f"{c}[{k}]" for k in range(n)]
+
     def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, n: int) -> str:
         """Emit the write of new value ``n`` at child ``i`` (read as ``child``) of the node in
         local ``v``; return the local the write goes through (the plan hands it out)."""
@@ -256,6 +263,9 @@ class _Sequence(Emitter):
 
     def read(self, code, v, meta, n, at, bulk=None):
         code.emit(CHECK_SEQUENCE, v=v, type=self.kind.name, n=n)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}[{k}]" for k in range(n)]
 
     def shell(self, code, y, meta):
@@ -299,6 +309,10 @@ class _Dict(Emitter):
             code.emit(CHECK_STRICT_KEYS, v=v, strict=strict)
         return [f"{v}[{ks}[{k}]]" for k in range(n)]
 
+    def reach(self, code, v, meta, n, at):
+        ks = code.const(meta[0], "K")
+        return [f"{v}[{ks}[{k}]]" for k in range(n)]
+
     def shell(self, code, y, meta):
         code.emit(SHELL_DICT, y=y)
 
@@ -327,6 +341,9 @@ class _NamedTuple(Emitter):
 
     def read(self, code, v, meta, n, at, bulk=None):
         code.emit(CHECK_SEQUENCE, v=v, type=code.const(meta, "T"), n=n)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}[{k}]" for k in range(n)]
 
     def make(self, code, y, meta, refs, args, ref):
@@ -353,8 +370,7 @@ class _Object(Emitter):
         d = code.local("d", at)
         if code.objects is not None:  # its type and field names checked with all the others
             code.objects.append((v, d, meta[0], meta[1]))
-            code.emit(READ_DICT, d=d, v=v)
-            return [f"{d}[{name!r}]" for name in meta[1]]
+            return self.reach(code, v, meta, n, at)
         code.emit(CHECK_TYPE, v=v, type=code.const(meta[0], "T"))
         code.emit(READ_DICT, d=d, v=v)
         if not n:
@@ -367,6 +383,11 @@ class _Object(Emitter):
         values = [code.local("v", f"{at}_{i}") for i in range(n)]
         code.emit(UNPACK_VALUES, targets=", ".join(values), d=d)
         return values
+
+    def reach(self, code, v, meta, n, at):
+        d = code.local("d", at)
+        code.emit(READ_DICT, d=d, v=v)
+        return [f"{d}[{name!r}]" for name in meta[1]]
 
     def shell(self, code, y, meta):
         code.emit(SHELL_OBJECT, y=y, type=code.const(meta[0], "T"))
@@ -400,6 +421,9 @@ class _View(Emitter):
     def read(self, code, v, meta, n, at, bulk=None):
         fn, strict = code.const(meta, "FN"), code.const(_strict(meta), "SFN")
         code.emit(CHECK_VIEW, v=v, fn=fn, strict=strict)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}.source"]
 
     def make(self, code, y, meta, refs, args, ref):
