@@ -1,0 +1,215 @@
+"""The write-back's two routes, the compiled one and the general walk (`slots`), write alike.
+
+* A list of 40 blocks (read by a loop in the compiled plans: over `loops.LOOP_PLACES` places),
+  each with its own call counter and all sharing one norm: the compiled route writes every
+  place, the shared norm's state once for all its places, against a numpy replay; with the
+  walk switched off it still writes (the compiled route was taken).
+* Arrays in tuples and in a cell's tuple value stay on `slots`, written as eager code writes.
+* On each route, a model changed while the call ran (a host callback assigning to it) is
+  refused, nothing written. ``TIED_CHECK_PLANS=1`` (the suite's setting) compares the compiled
+  route with `slots` at every call.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tied
+from tied._core import writeback as _writeback
+from tied._core.plans import loops as _loops
+
+N_BLOCKS = 40
+
+
+@tied.register
+class SharedNorm:
+    """A running mean (State) and a scale, as a norm shared by every block."""
+
+    def __init__(self, n):
+        self.scale = jnp.ones(n)
+        self.mean = tied.State(jnp.zeros(n))
+
+    def __call__(self, x):
+        self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
+        return (x - self.mean.value) * self.scale
+
+
+@tied.register
+class Block:
+    def __init__(self, norm, k):
+        self.w = jnp.eye(2) * (0.5 + 0.01 * k)
+        self.calls = tied.State(jnp.zeros((), jnp.int32))
+        self.norm = norm
+        self.extra = [jnp.zeros(1) for _ in range(24)]  # enough places for the loops
+
+    def __call__(self, x):
+        self.calls.value = self.calls.value + 1
+        return jnp.tanh(self.norm(x @ self.w))
+
+
+def blocks():
+    norm = SharedNorm(2)
+    return [Block(norm, k) for k in range(N_BLOCKS)], norm
+
+
+def run(m, x):
+    for b in m:
+        x = b(x)
+    return x.sum()
+
+
+X = jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2) / 5.0
+
+
+def replay(steps):
+    """The shared norm's running mean after ``steps`` calls, in numpy (float64)."""
+    mean = np.zeros(2)
+    ws = [np.eye(2) * (0.5 + 0.01 * k) for k in range(N_BLOCKS)]
+    for _ in range(steps):
+        h = np.asarray(X, np.float64)
+        for w in ws:
+            h = h @ w
+            mean = 0.9 * mean + 0.1 * h.mean(0)
+            h = np.tanh(h - mean)
+    return mean
+
+
+def _compiled(root):
+    _, gdef = tied.flatten(root)
+    return [f for f in gdef.memo.write_backs.values() if f]
+
+
+def test_the_blocks_are_read_by_a_loop():
+    m, _ = blocks()
+    _, gdef = tied.flatten(((m, X), {}))
+    assert gdef.num_leaves > _loops.LOOP_PLACES // 30
+    assert _loops.layout(gdef).runs, "the blocks make a run: the plans read them by a loop"
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_forty_blocks_sharing_one_norm_are_written_by_the_compiled_route(monkeypatch, check):
+    m, norm = blocks()
+    step = tied.jit(run)
+    for _ in range(3):
+        step(m, X)
+    assert _compiled(((m, X), {})), "the compiled write-back is made for a list read by a loop"
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    if not check:  # the walk switched off: only the compiled route can write
+
+        def no_walk(*a, **k):
+            raise AssertionError("slots() walked the model")
+
+        monkeypatch.setattr(_writeback, "slots", no_walk)
+    for _ in range(2):
+        step(m, X)
+    assert all(b.norm is norm for b in m) and all(b.norm.mean is norm.mean for b in m)
+    assert [int(b.calls.value) for b in m] == [5] * N_BLOCKS
+    np.testing.assert_allclose(np.asarray(norm.mean.value), replay(5), rtol=1e-4, atol=1e-6)
+
+
+def _block_mutations():
+    def new_cell_value(m, norm):  # a looped block's written cell given an equal array
+        m[20].calls.value = jnp.array(m[20].calls.value)
+
+    def blocks_swapped(m, norm):
+        m[3], m[4] = m[4], m[3]
+
+    def tie_cut(m, norm):  # one block given its own norm
+        twin = SharedNorm(2)
+        twin.scale, twin.mean = norm.scale, norm.mean
+        m[30].norm = twin
+
+    return [new_cell_value, blocks_swapped, tie_cut]
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("mutate", _block_mutations(), ids=lambda f: f.__name__)
+def test_forty_blocks_changed_during_the_call_are_refused_with_nothing_written(monkeypatch, check, mutate):
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    m, norm = blocks()
+    armed = {"on": False}
+
+    def callback(_):
+        if armed["on"]:
+            armed["on"] = False
+            mutate(m, norm)
+
+    def f(m, x):
+        y = run(m, x)
+        jax.debug.callback(callback, y)
+        return y
+
+    step = tied.jit(f)
+    for _ in range(3):
+        step(m, X)
+    assert _compiled(((m, X), {}))
+    cells = [b.calls for b in m]
+    mean = norm.mean.value
+    armed["on"] = True
+    with pytest.raises(tied.ModelChangedError, match="while the call ran"):
+        step(m, X)
+        jax.effects_barrier()
+    assert all(int(c.value) == 3 for c in cells)  # nothing written
+    assert norm.mean.value is mean
+
+
+def tuples():
+    pair = (jnp.arange(2.0), jnp.ones(2))
+    return {"a": pair, "b": pair, "c": tied.State((jnp.zeros(2), jnp.ones(2)))}
+
+
+def bump(m, x):
+    w, s = m["a"]
+    m["a"] = m["b"] = (w + x, s)
+    a, b = m["c"].value
+    m["c"].value = (a + x, b)
+    return w.sum()
+
+
+def test_places_in_tuples_and_in_a_cells_tuple_are_written_as_eagerly():
+    x = jnp.array([1.0, 2.0])
+    ref, m = tuples(), tuples()
+    step = tied.jit(bump)
+    for _ in range(4):
+        want = bump(ref, x)
+        np.testing.assert_allclose(step(m, x), want)
+    assert m["a"] is m["b"]  # one new tuple at both places, as the eager assignment makes
+    for got, want in zip(tied.flatten(m)[0], tied.flatten(ref)[0], strict=True):
+        np.testing.assert_allclose(got, want)
+    np.testing.assert_allclose(m["a"][0], np.arange(2.0) + 4 * np.array([1.0, 2.0]))
+    np.testing.assert_allclose(m["c"].value[0], 4 * np.array([1.0, 2.0]))
+    _, gdef = tied.flatten(((m, x), {}))
+    assert list(gdef.memo.writes.values()) == [None], "these places are the walk's to write"
+
+
+@pytest.mark.parametrize("what", ["tuple", "cell"])
+def test_tuples_changed_during_the_call_are_refused_with_nothing_written(what):
+    m = tuples()
+    armed = {"on": False}
+
+    def callback(_):
+        if armed["on"]:
+            armed["on"] = False
+            if what == "tuple":
+                m["a"] = m["b"] = (jnp.array(m["a"][0]), m["a"][1])
+            else:
+                m["c"].value = (jnp.array(m["c"].value[0]), m["c"].value[1])
+
+    def f(m, x):
+        y = bump(m, x)
+        jax.debug.callback(callback, y)
+        return y
+
+    step = tied.jit(f)
+    x = jnp.array([1.0, 2.0])
+    for _ in range(3):
+        step(m, x)
+    armed["on"] = True
+    with pytest.raises(tied.ModelChangedError, match="while the call ran"):
+        step(m, x)
+        jax.effects_barrier()
+    armed_state = (m["a"], m["c"].value)
+    np.testing.assert_allclose(armed_state[0][0], np.arange(2.0) + 3 * np.array([1.0, 2.0]))
+    np.testing.assert_allclose(armed_state[1][0], 3 * np.array([1.0, 2.0]))
+    assert m["a"] is m["b"]
