@@ -115,7 +115,8 @@ def count(make, fun, warm: int = 3) -> tuple[int, int, int]:
 def main() -> None:
     for name, (make, fun) in CASES.items():
         core, plan, total = count(make, fun)
-        print(f"{name}: {core} calls in writeback.py/live.py, {plan} in a compiled write-back plan, {total} in all")
+        print(f"{name}: {core} calls in writeback.py/live.py, {plan} in a compiled write-back plan, ", end="")
+        print(f"{total} in all")
 
 
 if __name__ == "__main__":
