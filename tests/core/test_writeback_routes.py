@@ -4,7 +4,9 @@
   each with its own call counter and all sharing one norm: the compiled route writes every
   place, the shared norm's state once for all its places, against a numpy replay; with the
   walk switched off it still writes (the compiled route was taken).
-* Arrays in tuples and in a cell's tuple value stay on `slots`, written as eager code writes.
+* Arrays in tuples (a view's sources, a namedtuple) and in a cell's value (a tuple, a dict
+  holding a list) are written by rebuilding their containers, as eager code and `slots` do;
+  from the third call by the compiled route alone.
 * On each route, a model changed while the call ran (a host callback assigning to it) is
   refused, nothing written. ``TIED_CHECK_PLANS=1`` (the suite's setting) compares the compiled
   route with `slots` at every call.
@@ -154,37 +156,73 @@ def test_forty_blocks_changed_during_the_call_are_refused_with_nothing_written(m
     assert norm.mean.value is mean
 
 
+Pair = __import__("collections").namedtuple("Pair", "x y")
+
+
 def tuples():
-    pair = (jnp.arange(2.0), jnp.ones(2))
-    return {"a": pair, "b": pair, "c": tied.State((jnp.zeros(2), jnp.ones(2)))}
+    """A tuple at two places, a tuple held twice by a namedtuple that a dict holds, a view of
+    two sources, a cell holding a tuple and one holding a dict holding a list."""
+    pair, inner = (jnp.arange(2.0), jnp.ones(2)), (jnp.full(2, 3.0),)
+    return {
+        "a": pair,
+        "b": pair,
+        "nest": Pair(inner, inner),
+        "v": tied.View((jnp.ones(2), jnp.zeros(2)), jnp.add),
+        "c": tied.State((jnp.zeros(2), jnp.ones(2))),
+        "d": tied.State({"n": [jnp.zeros(2), jnp.ones(2)], "k": jnp.ones(2)}),
+    }
 
 
 def bump(m, x):
     w, s = m["a"]
     m["a"] = m["b"] = (w + x, s)
+    inner = (m["nest"].x[0] * 0.5,)
+    m["nest"] = Pair(inner, inner)
+    a, b = m["v"].source
+    m["v"].source = (a * 2.0, b)
     a, b = m["c"].value
     m["c"].value = (a + x, b)
+    d = m["d"].value
+    m["d"].value = {"n": [d["n"][0] - x, d["n"][1]], "k": d["k"]}
     return w.sum()
 
 
-def test_places_in_tuples_and_in_a_cells_tuple_are_written_as_eagerly():
+@pytest.mark.parametrize("check", [True, False])
+def test_places_in_tuples_and_in_cells_values_are_written_as_eagerly(monkeypatch, check):
     x = jnp.array([1.0, 2.0])
     ref, m = tuples(), tuples()
     step = tied.jit(bump)
-    for _ in range(4):
+    snapshot = m["d"].value  # a cell's old value is the caller's: never changed in place
+    old = (snapshot, snapshot["n"], list(snapshot["n"]))
+    for k in range(4):
+        if k == 2:  # the compiled write-back is made: from now on it alone writes
+            assert _compiled(((m, x), {})), "the compiled write-back is made for tuples and cells"
+            monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+            if not check:
+
+                def no_walk(*a, **k):
+                    raise AssertionError("slots() walked the model")
+
+                monkeypatch.setattr(_writeback, "slots", no_walk)
         want = bump(ref, x)
         np.testing.assert_allclose(step(m, x), want)
     assert m["a"] is m["b"]  # one new tuple at both places, as the eager assignment makes
+    assert m["nest"].x is m["nest"].y and type(m["nest"]) is Pair
     for got, want in zip(tied.flatten(m)[0], tied.flatten(ref)[0], strict=True):
         np.testing.assert_allclose(got, want)
     np.testing.assert_allclose(m["a"][0], np.arange(2.0) + 4 * np.array([1.0, 2.0]))
+    np.testing.assert_allclose(m["nest"].x[0], np.full(2, 3.0 / 16))
+    np.testing.assert_allclose(m["v"].source[0], np.full(2, 16.0))
     np.testing.assert_allclose(m["c"].value[0], 4 * np.array([1.0, 2.0]))
-    _, gdef = tied.flatten(((m, x), {}))
-    assert list(gdef.memo.writes.values()) == [None], "these places are the walk's to write"
+    np.testing.assert_allclose(m["d"].value["n"][0], -4 * np.array([1.0, 2.0]))
+    assert old[0] is snapshot and old[1] is snapshot["n"] and old[2] == snapshot["n"]
+    np.testing.assert_allclose(snapshot["n"][0], np.zeros(2))
 
 
+@pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("what", ["tuple", "cell"])
-def test_tuples_changed_during_the_call_are_refused_with_nothing_written(what):
+def test_tuples_changed_during_the_call_are_refused_with_nothing_written(monkeypatch, what, check):
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
     m = tuples()
     armed = {"on": False}
 
@@ -205,6 +243,7 @@ def test_tuples_changed_during_the_call_are_refused_with_nothing_written(what):
     x = jnp.array([1.0, 2.0])
     for _ in range(3):
         step(m, x)
+    assert _compiled(((m, x), {}))
     armed["on"] = True
     with pytest.raises(tied.ModelChangedError, match="while the call ran"):
         step(m, x)

@@ -9,7 +9,8 @@ arrays in the live model, from the `GraphDef` of a `flatten` of it, and refuses
 a place that cannot be written, naming its path, before anything is written.
 `recorded_writes` keeps what one `slots` run found as positions in the GraphDef (node
 record, child), which the compiled write-back of `writeback.py` writes at on any later
-model of the same structure once its generated code has checked that model.
+model of the same structure once its generated code has checked that model (a place in a
+tuple or inside a cell's value rebuilt as `slots` rebuilds it).
 
 Threads. While tied writes into a model, other threads that read it directly
 would see what is written: traced values during `tied.gradient`, a half-updated
@@ -181,7 +182,7 @@ def slots(
                 if slot is None:
                     slot = Slot(place.path, kind, node.meta, node.obj, i)
                 if _record is not None:
-                    _record.append((wanted[place.index], place.parent, slot))
+                    _record.append((wanted[place.index], place.parent, i, slot))
                 out[wanted[place.index]].append(slot)
                 continue
         if place.kind in ("array", "static") or not place.first:
@@ -413,27 +414,40 @@ def _transient_error(path: str, obj: Any, action: str) -> GraphError:
 def recorded_writes(record: list) -> tuple | None:
     """The writes of one `slots` run (its ``_record``) as a compiled write-back makes them
     (`plans.compile_flatten(gdef, writes=...)`): ``(n, j, i)``, the n-th value put at child
-    ``i`` of node record ``j``, for every place; the same for any later model of the GraphDef.
-    None where a place needs what only `slots` does: a cell's value or a tuple rebuilt, or a
-    container on the way that is made anew by each walk or read through a call (a JAX pytree
-    node), whose children may not be the objects it stores."""
+    ``i`` of node record ``j``, for every place (a place in a tuple, or inside a state cell's
+    value, written by rebuilding it, as `slots` does); the same for any later model of the
+    GraphDef. None where a container on the way to a place (or to a place of a tuple rebuilt)
+    is made anew by each walk or read through a call (a JAX pytree node): its children may
+    not be the objects it stores, which only `slots` checks."""
     if not record:  # nothing wanted
         return ()
     opened = record.pop()
     writes = []
     seen: set[int] = set()
-    for n, j, slot in record:
-        if type(slot) is not Slot:
-            return None
-        writes.append((n, j, slot._i))
+
+    def stored(j: int) -> bool:  # every node from ``j`` up to the root stores its children
         while j >= 0 and j not in seen:
             node = opened[j]
             if node.twin is not None or node.twins is not None and any(t is not None for t in node.twins):
-                return None
+                return False
             if not node.kind.stores_children and (not node.kind.writable or node.kind.fresh_children):
-                return None
+                return False
             seen.add(j)
             j = node.place.parent
+        return True
+
+    for n, j, i, slot in record:
+        if not stored(j):
+            return None
+        if type(slot) is _RebuiltSlot:  # every place of the tuple, and of the tuples holding it
+            tuples = [slot._node]
+            while tuples:
+                for up, _, _ in slot._holders[tuples.pop().place.index]:
+                    if up is None or not stored(up.place.index):
+                        return None
+                    if not _holds_in_place(up):
+                        tuples.append(up)
+        writes.append((n, j, i))
     return tuple(writes)
 
 

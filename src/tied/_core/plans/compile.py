@@ -120,7 +120,7 @@ def guarded(root):
  except FAIL:
   return None
 """
-# A write-back plan: ``plan(root, INP)`` reads and checks, handing out the containers the
+# A write-back plan: ``plan(root, INP, V)`` reads and checks, handing out the containers the
 # writes go through (a container a loop read is reached again once every check has passed, by
 # its first place: REACH); ``guarded`` makes the writes once every check has passed.
 REACH = "n{j} = {expr}"
@@ -128,7 +128,7 @@ WRITE_BACK = """\
  return {held}
 def guarded(root, INP, V):
  try:
-  C = plan(root, INP)
+  C = plan(root, INP, V)
  except FAIL:
   return None
  {unpacked} = C
@@ -262,7 +262,7 @@ class _FlattenEmitter:
         self.code.objects = self.objects
         self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
         self.order: list = []  # the places in the walk's order (`read`)
-        self.first_place: dict[int, tuple[int, int]] | None = None  # node -> (parent, position)
+        self.places: dict[int, list[tuple[int, int]]] | None = None  # node -> [(parent, position)]
         # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -465,21 +465,85 @@ class _FlattenEmitter:
         return _compile("\n".join(self.lines) + "\n" + GUARDED, "flatten", self.ns, "guarded")
 
     def write_back(self, writes: tuple) -> Callable[..., Any]:
-        """The write-back: the reading and checks, then the ``writes``. The writes run once
-        every check has passed, outside the guard: a setter that raises (a state cell refusing
-        its value) is an error, never a miss after half a write."""
-        self.lines[0] = "def plan(root, INP):"
-        for _, j, _ in writes:
+        """The write-back: the reading and checks, then the ``writes``. A place in a tuple, or
+        inside a state cell's value, is written as `live.slots` writes it: the containers are
+        rebuilt (`rebuilt`), once every check has passed, and put where the old ones were. The
+        writes run once every check has passed, outside the guard: a setter that raises (a
+        state cell refusing its value) is an error, never a miss after half a write."""
+        self.lines[0] = "def plan(root, INP, V):"
+        puts_at, rebuilt = self.rebuilt(writes)
+        for j in [j for j, _, _ in puts_at] + list(rebuilt):
             self.reach(j)
+        for j, values in rebuilt.items():  # children first: the dict is filled in that order
+            kind, meta, refs = self.records[j]
+            exprs = [values.get(k, e) for k, e in enumerate(self.child_expr[j])]
+            args = partial(_display, exprs)
+            emitter, positions = EMITTERS[kind], tuple(range(len(refs)))
+            if kind in _MUTABLE:  # a container of a cell's value: a new one, never changed in place
+                emitter.shell(self.code, f"r{j}", meta)
+                emitter.fill(self.code, f"r{j}", meta, positions, args, exprs.__getitem__)
+            else:
+                emitter.make(self.code, f"r{j}", meta, positions, args, exprs.__getitem__)
         puts: list[str] = []
         code = Code(puts, " ", self.const)
-        held: list[str] = []
-        for n, j, i in writes:
+        held: list[str] = [value for _, _, value in puts_at if value[0] == "r"]
+        for j, i, value in puts_at:
             kind, meta, _ = self.records[j]
-            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, n))
+            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, value))
         held = tup(list(dict.fromkeys(held)))
         source = WRITE_BACK.format(held=held, unpacked=held[1:-1], puts="\n".join(puts))
         return _compile("\n".join(self.lines) + "\n" + source, "write-back", self.ns, "guarded")
+
+    def rebuilt(self, writes: tuple) -> tuple[list, dict[int, dict[int, str]]]:
+        """The puts ``(j, i, value)`` of ``writes``, and the containers rebuilt, children first,
+        each with its new children by position: a tuple holding a written place (the new one
+        put at every place of it, a tuple holding it rebuilt in turn), and the containers of a
+        state cell's value on the way to a written place (the new value put in the cell)."""
+        records, state, cells = self.records, self.gdef.state_leaves(), self.gdef.state_nodes()
+        self.places_of(0)
+        puts: list = []
+        new: dict[int, dict[int, str]] = {}
+        below: dict[int, list[int]] = {}  # a rebuilt container: the rebuilt ones it holds
+
+        def put(j: int, i: int, value: str, in_cell: bool) -> None:
+            kind = records[j][0]
+            if in_cell and not cells[j]:  # a container of a cell's value: rebuilt, and so on up
+                places = self.places[j][:1]
+            elif not in_cell and kind in (TUPLE, NAMEDTUPLE):  # every place of the tuple
+                places = self.places[j]
+            else:
+                puts.append((j, i, value))
+                return
+            first = j not in new
+            new.setdefault(j, {})[i] = value
+            if value[0] == "r":
+                below.setdefault(j, []).append(int(value[1:]))
+            if first:
+                for parent, k in places:
+                    put(parent, k, f"r{j}", in_cell)
+
+        for n, j, i in writes:
+            put(j, i, f"V[{n}]", state[records[j][2][i] // TAGS])
+        order: dict[int, dict[int, str]] = {}
+
+        def children_first(j: int) -> None:
+            if j not in order:
+                for k in below.get(j, ()):
+                    children_first(k)
+                order[j] = new[j]
+
+        for j in new:
+            children_first(j)
+        return puts, order
+
+    def places_of(self, j: int) -> list[tuple[int, int]]:
+        """Every place of node ``j``: (parent, position), in the walk's order."""
+        if self.places is None:
+            self.places = {}
+            for parent, i, r in self.order:
+                if r % TAGS == NODE:
+                    self.places.setdefault(r // TAGS, []).append((parent, i))
+        return self.places.get(j, [])
 
     def reach(self, j: int) -> None:
         """Node ``j``, read in a loop (no local holds it), into local ``n{j}``, its children's
@@ -487,12 +551,7 @@ class _FlattenEmitter:
         check, each step reads what the checks read: the very object the loop checked."""
         if j in self.child_expr:  # read straight: its local holds it
             return
-        if self.first_place is None:
-            self.first_place = {}
-            for parent, i, r in self.order:
-                if r % TAGS == NODE:
-                    self.first_place.setdefault(r // TAGS, (parent, i))
-        parent, i = self.first_place[j]
+        parent, i = self.places_of(j)[0]
         self.reach(parent)
         kind, meta, refs = self.records[j]
         self.emit(REACH, j=j, expr=self.child_expr[parent][i])
@@ -509,6 +568,11 @@ def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) ->
         q = end
     out.extend(f"l{x}" for x in range(q, n))
     return out
+
+
+def _display(exprs: list[str], positions: tuple) -> str:
+    """A tuple display of the expressions at ``positions`` (a rebuilt container's children)."""
+    return tup([exprs[k] for k in positions])
 
 
 def _identity_hashed(record: tuple) -> bool:

@@ -61,9 +61,9 @@ CHECK_FIELDS = "if {unequal}: raise M"
 UNPACK_VALUES = "{targets}, = {d}.values()"
 
 # ---------------------------------------------------------------- templates: writing a node's child
-# (a write-back plan: the n-th new value ``V[{n}]`` put at a place read before)
-PUT_ITEM = "{child} = V[{n}]"  # the place's reading expression is the item its setter assigns
-PUT_BY_SETTER = "{setter}({meta}, {v}, {i})(V[{n}])"  # the kind's own setter (a cell checks)
+# (a write-back plan: ``value``, a new value ``V[n]`` or a rebuilt container, put at a place read before)
+PUT_ITEM = "{child} = {value}"  # the place's reading expression is the item its setter assigns
+PUT_BY_SETTER = "{setter}({meta}, {v}, {i})({value})"  # the kind's own setter (a cell checks)
 
 # ---------------------------------------------------------------- templates: a static at its place
 STATIC_EXACT = "{s} is not {value} and (type({s}) is not {type} or {s} != {value})"
@@ -231,11 +231,11 @@ class Emitter:
         code.emit(CALL_CHILDREN, c=c, a=a, call=code.const(self.kind.children, "CH"), v=v)
         return [f"{c}[{k}]" for k in range(n)]
 
-    def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, n: int) -> str:
-        """Emit the write of new value ``n`` at child ``i`` (read as ``child``) of the node in
-        local ``v``; return the local the write goes through (the plan hands it out)."""
+    def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, value: str) -> str:
+        """Emit the write of ``value`` (an expression) at child ``i`` (read as ``child``) of the
+        node in local ``v``; return the local the write goes through (the plan hands it out)."""
         setter = code.once(("setter", self.kind.index), self.kind.setter, "SET")
-        code.emit(PUT_BY_SETTER, setter=setter, meta=code.const(meta, "MT"), v=v, i=i, n=n)
+        code.emit(PUT_BY_SETTER, setter=setter, meta=code.const(meta, "MT"), v=v, i=i, value=value)
         return v
 
     def materialize(self, code: Code, y: str, j: int, meta: Any, source: str) -> None:
@@ -274,10 +274,10 @@ class _Sequence(Emitter):
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
         code.emit(FILL_LIST, y=y, args=args(refs))
 
-    def put(self, code, v, at, child, meta, i, n):
+    def put(self, code, v, at, child, meta, i, value):
         if not self.kind.mutable:
-            return super().put(code, v, at, child, meta, i, n)
-        code.emit(PUT_ITEM, child=child, n=n)
+            return super().put(code, v, at, child, meta, i, value)
+        code.emit(PUT_ITEM, child=child, value=value)
         return v
 
     def make(self, code, y, meta, refs, args, ref):
@@ -316,8 +316,8 @@ class _Dict(Emitter):
     def shell(self, code, y, meta):
         code.emit(SHELL_DICT, y=y)
 
-    def put(self, code, v, at, child, meta, i, n):
-        code.emit(PUT_ITEM, child=child, n=n)
+    def put(self, code, v, at, child, meta, i, value):
+        code.emit(PUT_ITEM, child=child, value=value)
         return v
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
@@ -392,10 +392,10 @@ class _Object(Emitter):
     def shell(self, code, y, meta):
         code.emit(SHELL_OBJECT, y=y, type=code.const(meta[0], "T"))
 
-    def put(self, code, v, at, child, meta, i, n):
+    def put(self, code, v, at, child, meta, i, value):
         if type(self.kind).setter is not type(KINDS[OBJ]).setter:  # its own (a state cell's)
-            return super().put(code, v, at, child, meta, i, n)
-        code.emit(PUT_ITEM, child=child, n=n)  # an item of its __dict__, read in d{at}
+            return super().put(code, v, at, child, meta, i, value)
+        code.emit(PUT_ITEM, child=child, value=value)  # an item of its __dict__, read in d{at}
         return code.local("d", at)
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
