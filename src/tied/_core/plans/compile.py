@@ -120,9 +120,10 @@ def guarded(root):
  except FAIL:
   return None
 """
-# A write-back plan: ``plan(root, INP, V)`` reads and checks, handing out the containers the
-# writes go through (a container a loop read is reached again once every check has passed, by
-# its first place: REACH); ``guarded`` makes the writes once every check has passed.
+# A write-back plan: ``plan(root, INP, V)`` reads and checks, then (every check passed) reaches
+# the containers a loop read by their first places (REACH) and builds the containers rebuilt
+# (a tuple, a cell's value: the emitters' ``make``, ``shell``, ``fill``), handing out those
+# and the containers the writes go through; ``guarded`` makes the writes.
 REACH = "n{j} = {expr}"
 WRITE_BACK = """\
  return {held}
@@ -202,9 +203,11 @@ def compile_flatten(
     write-back, ``f(root, inputs, values)``: the same reading and checks, and the leaves
     must be ``inputs`` themselves (so they are distinct); only then every place is
     written, and it returns True (None, having written nothing, where the model is not
-    of this GraphDef or holds other arrays); a written container that a loop read is
-    reached by its first place once every check has passed. ``order`` is the walk order, where the
-    caller has it at hand (`layout_and_order`, whose replay of the records makes it).
+    of this GraphDef or holds other arrays). Once every check has passed, a written
+    container that a loop read is reached by its first place, and a place in a tuple or
+    inside a state cell's value is written as `live.slots` writes it: its containers
+    rebuilt, put where the old ones were. ``order`` is the walk order, where the caller
+    has it at hand (`layout_and_order`, whose replay of the records makes it).
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
