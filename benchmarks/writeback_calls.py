@@ -2,8 +2,10 @@
 
 `sys.setprofile` counts the Python calls whose code lives in `_core/writeback.py` or
 `_core/live.py` during one warm call (the function compiled, its plans made) that writes
-state back, and the calls into a generated write-back plan (``<tied write-back plan>``):
-a compiled write-back is a few calls a call, the general walk (`slots`) some per place.
+state back, the calls into a generated write-back plan (``<tied write-back plan>``), and
+all Python calls of the `tied.jit` call: a compiled write-back is two calls into the core
+and two into its plan, the general walk (`slots`) some calls per place. (Under
+``TIED_CHECK_PLANS=1`` every call also runs the walk, to compare.)
 Four models:
 
 * **a**: a dict and a list of three blocks, each with its own call counter (`tied.State`),
