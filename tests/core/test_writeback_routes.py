@@ -257,3 +257,98 @@ def test_tuples_changed_during_the_call_are_refused_with_nothing_written(monkeyp
     np.testing.assert_allclose(armed_state[0][0], np.arange(2.0) + 3 * np.array([1.0, 2.0]))
     np.testing.assert_allclose(armed_state[1][0], 3 * np.array([1.0, 2.0]))
     assert m["a"] is m["b"]
+
+
+# ---------------------------------------------------------------- a structure with no flatten plan
+
+
+@tied.register
+class Named:
+    """A counter and a tuple, with a name of its own (no two alike: no loop, a line per place)."""
+
+    def __init__(self, name, shared):
+        self.name, self.shared = name, shared
+        self.calls = tied.State(jnp.zeros((), jnp.int32))
+        self.pair = (jnp.zeros(2), jnp.ones(2))
+
+    def __call__(self, x):
+        self.calls.value = self.calls.value + 1
+        a, b = self.pair
+        self.pair = (a + x, b)
+        return self.shared(x[None])
+
+
+def _unplanned(monkeypatch, tag):
+    from tied._core import graph as _graph
+    from tied._core.plans import compile as _plan
+
+    for mod in (_graph, _plan):  # over the plan bound, and never seen often enough for a large plan
+        monkeypatch.setattr(mod, "MAX_PLAN_LINES", 50)
+        monkeypatch.setattr(mod, "LARGE_PLAN_SIGHTINGS", 10_000)
+    norm = SharedNorm(2)
+    return [Named(f"{tag}{k}", norm) for k in range(6)], norm
+
+
+def _run_named(m, x):
+    return sum(layer(x).sum() for layer in m)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_structure_without_a_flatten_plan_is_written_by_the_compiled_writes(monkeypatch, check):
+    m, norm = _unplanned(monkeypatch, f"unplanned-{check}-")
+    x = jnp.array([1.0, 2.0])
+    step = tied.jit(_run_named)
+    for _ in range(2):
+        step(m, x)
+    _, gdef = tied.flatten(((m, x), {}))
+    assert not gdef.memo.flatten_plan and not _compiled(((m, x), {}))
+    assert [f for f in gdef.memo.writes_alone.values() if f], "the compiled writes are made"
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    if not check:
+
+        def no_walk(*a, **k):
+            raise AssertionError("slots() walked the model")
+
+        monkeypatch.setattr(_writeback, "slots", no_walk)
+    for _ in range(2):
+        step(m, x)
+    assert [int(layer.calls.value) for layer in m] == [4] * 6
+    for layer in m:
+        np.testing.assert_allclose(layer.pair[0], 4 * np.asarray(x))
+        np.testing.assert_allclose(layer.pair[1], np.ones(2))
+    assert all(layer.shared is norm for layer in m)
+    mean = np.zeros(2)
+    for _ in range(4 * 6):  # the shared norm, called by each layer, on the same input
+        mean = 0.9 * mean + 0.1 * np.asarray(x)
+    np.testing.assert_allclose(norm.mean.value, mean, rtol=1e-5)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_structure_without_a_flatten_plan_changed_during_the_call_is_refused(monkeypatch, check):
+    m, norm = _unplanned(monkeypatch, f"unplanned-changed-{check}-")
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    armed = {"on": False}
+
+    def callback(_):
+        if armed["on"]:  # a new array at a written place
+            armed["on"] = False
+            m[2].pair = (jnp.array(m[2].pair[0]), m[2].pair[1])
+
+    def f(m, x):
+        y = _run_named(m, x)
+        jax.debug.callback(callback, y)
+        return y
+
+    step = tied.jit(f)
+    x = jnp.array([1.0, 2.0])
+    for _ in range(3):
+        step(m, x)
+    pairs, mean = [layer.pair for layer in m], norm.mean.value
+    armed["on"] = True
+    with pytest.raises(tied.ModelChangedError, match="while the call ran"):
+        step(m, x)
+        jax.effects_barrier()
+    assert all(int(layer.calls.value) == 3 for layer in m)  # nothing written
+    assert norm.mean.value is mean
+    assert all(layer.pair is p for k, (layer, p) in enumerate(zip(m, pairs)) if k != 2)
+    np.testing.assert_allclose(m[2].pair[0], 3 * np.asarray(x))  # the callback's copy, as it left it

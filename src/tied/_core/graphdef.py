@@ -97,6 +97,7 @@ class Memo:
         "unflatten_plans",  # materialize -> the compiled unflatten; False: walked
         "writes",  # written leaves -> their places as one `slots` run found them; None: slots only
         "write_backs",  # written leaves -> the compiled re-check and write; False: none
+        "writes_alone",  # written leaves -> the compiled writes, after the walk's re-check
     )
 
     def __init__(self) -> None:
@@ -106,6 +107,7 @@ class Memo:
         self.sightings, self.unflatten_uses = 1, 0
         self.unflatten_plans: dict = {}
         self.writes: dict = {}
+        self.writes_alone: dict = {}
         self.write_backs: dict = {}
 
 

@@ -3,9 +3,10 @@
 `tied.jit` (and `tied.grad` for its loss, and the lifted transforms) runs a function on a
 rebuilt copy of its arguments; afterwards the new values at existing places are written
 into the caller's own objects by `write_back`, one of two ways: the compiled write-back
-(a generated function that checks the model is of the structure and holds the very arrays
-the call was given, then writes every place), or the general walk (`live.slots`), which
-also names what cannot be written or what changed while the call ran. The refusals of a
+(generated code that writes every place where one `slots` run found them, once the model is
+checked of the structure and holding the very arrays the call was given), or the general
+walk (`live.slots`), which also names what cannot be written or what changed while the call
+ran. The refusals of a
 change of structure, and what must not escape a transform, are `_transforms/`'s
 (`writes.py`, `escapes.py`). Core layer: it reads GraphDefs by name only.
 """
@@ -19,7 +20,7 @@ from typing import Any
 from .errors import ModelChangedError, where
 from .graph import CHECK_PLANS, GraphDef, GraphError, PlanMismatch, flatten, place_paths
 from .live import live_lock, recorded_writes, slots, write
-from .plans import compile_flatten
+from .plans import compile_flatten, compile_writes
 
 
 def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
@@ -59,11 +60,14 @@ def write_back(
     name: Callable[[str], str] = where,
 ) -> None:
     """Put ``values[n]`` at every place of unique leaf ``written[n]`` in the caller's objects:
-    one write per unique container, under `tied.live_lock`. Two ways, one result: the
-    compiled write-back (`_compiled`), once the structure has its flatten plan, and
-    otherwise, or where it misses, the general walk (`slots`), which checks every place
-    before anything is written (writable: a frozen or immutable container refused by path)
-    and writes a place in a tuple or inside a cell's value by rebuilding it. Given
+    one write per unique container, under `tied.live_lock`. Two ways, one result. The
+    compiled write-back: generated code that writes where one `slots` run found the places,
+    checked first by its own generated re-check where the structure has its flatten plan
+    (`_compiled`), else by the walk's (`_unchanged_since_the_call`, then `_written_alone`).
+    The general walk (`slots`), for the first write-back of these leaves and where only it
+    can write: it checks every place before anything is written (writable: a frozen or
+    immutable container refused by path) and writes a place in a tuple or inside a cell's
+    value by rebuilding it. Given
     ``inputs`` (the leaves flattened before the call), the arguments must still be of the
     structure and hold the arrays the call was given, so a model changed while the call ran
     (by another thread, or a callback inside it) is refused, never half-updated. ``name``
@@ -75,6 +79,8 @@ def write_back(
             if _compiled(root, gdef, written, values, inputs, action, name):
                 return
             _unchanged_since_the_call(root, gdef, inputs, written, action, name)
+            if _written_alone(root, gdef, written, values, action, name):
+                return
         write(_slots(root, gdef, written, action, name), values)
 
 
@@ -128,6 +134,31 @@ def _compiled(
         raise PlanMismatch(f"a compiled write-back missed on a model of its own structure ({gdef})")
     if any(slot.get() is not v for places, v in zip(at, values) for slot in places):
         raise PlanMismatch(f"a compiled write-back wrote other places than slots finds ({gdef})")
+    return True
+
+
+def _written_alone(
+    root: Any, gdef: GraphDef, written: tuple, values: list, action: str, name: Callable
+) -> bool:
+    """The compiled route where the structure has no compiled re-check (no flatten plan, or
+    one over the plan bound): the walk has just re-checked the model
+    (`_unchanged_since_the_call`), and the compiled writes alone (`compile_writes`) reach and
+    write the places one `slots` run recorded; False where none were recorded (the first
+    write-back) or only `slots` can write them. Under
+    ``TIED_CHECK_PLANS=1`` every place `slots` finds must hold its new value after."""
+    fn = gdef.memo.writes_alone.get(written)
+    if fn is None:
+        writes = gdef.memo.writes.get(written)
+        if writes is None:
+            return False
+        fn = gdef.memo.writes_alone[written] = compile_writes(gdef, writes)
+    at = _slots(root, gdef, written, action, name) if CHECK_PLANS else ()
+    if fn(root, None, values) is None:  # nothing written
+        if CHECK_PLANS:
+            raise PlanMismatch(f"the compiled writes missed on a model of their structure ({gdef})")
+        return False
+    if any(slot.get() is not v for places, v in zip(at, values) for slot in places):
+        raise PlanMismatch(f"the compiled writes wrote other places than slots finds ({gdef})")
     return True
 
 

@@ -237,6 +237,21 @@ def compile_flatten(
     return plan.write_back(writes)
 
 
+def compile_writes(gdef: GraphDef, writes: tuple) -> Callable[..., Any]:
+    """The writes of a write-back alone, ``f(root, None, values)`` (True once written), for a
+    model that the walk has just found of exactly this GraphDef, holding the very arrays the
+    call was given (the write-back's re-check, where the structure has no flatten plan: over
+    the plan bound): each written container reached from the root by its first place, the
+    containers rebuilt and the places written as `compile_flatten`'s write-back does, with
+    none of its reading and checks."""
+    lay, found = layout_and_order(gdef)
+    plan = _FlattenEmitter(gdef, lay)
+    plan.order = found or _walk_order(gdef)
+    plan.child_expr[-1] = ["root"]  # the root's place: reached from there
+    plan.ns["FAIL"] = _FAIL
+    return plan.write_back(writes)
+
+
 class _FlattenEmitter:
     """The source of one flatten plan (`compile_flatten`), emitted piece by piece into
     ``lines``, its constants bound in ``ns``: `read` reads every place into a local (a
