@@ -1,9 +1,10 @@
 """Fast paths of the host side: each gives exactly what the slow path gives, or gives up.
 
-* The write-back of `tied.jit` finds the places to write through a `WritePlan` kept on
-  the GraphDef (positions from the root, checked on the live objects each call) instead
-  of walking the whole model: a layer replaced between calls by another object of the
-  same structure must receive the write; any difference makes the plan give up.
+* The write-back of `tied.jit` writes through a compiled write-back kept on the GraphDef
+  (made from where one `slots` run found the places, checking the live objects each call)
+  instead of walking the whole model: a layer replaced between calls by another object of
+  the same structure must receive the write; any difference makes it give up, having
+  written nothing.
 * Checked against a numpy replay (never against tied), and under ``TIED_CHECK_PLANS=1``
   (the suite's setting) every plan result is compared with `tied._core.live.slots`.
 """
@@ -114,55 +115,81 @@ def test_write_back_into_a_shared_layer_replaced_at_both_places_keeps_the_tie():
     assert not np.allclose(np.asarray(shared.mean.value), 0)  # the old one kept its two calls
 
 
-def test_write_plan_gives_up_on_any_difference_on_the_way():
+def _write_back_of(net, which):
+    """The compiled write-back of ``net``'s state cells ``which``, made as the write-back makes
+    it: from where one `slots` run found the places."""
+    from tied._core.plans import compile_flatten
+
+    leaves, gdef = tied.flatten(net)
+    record: list = []
+    _live.slots(net, gdef, which, action="test", frozen_ok=True, rebuild=True, _record=record)
+    writes = _live.recorded_writes(record)
+    assert writes is not None
+    return leaves, compile_flatten(gdef, writes=writes)
+
+
+def test_the_compiled_write_back_gives_up_on_any_difference_on_the_way_writing_nothing():
     net = Net([Norm(3), {"a": Norm(3)}])
     leaves, gdef = tied.flatten(net)
     which = tuple(i for i, s in enumerate(gdef.state_leaves()) if s)
-    slow, plan = _live.write_plan(net, gdef, which, action="test", frozen_ok=True)
-    assert plan is not None
-    fast = plan.find(net)
-    assert [[(s.path, s._obj, s._i) for s in at] for at in fast] == [
-        [(s.path, s._obj, s._i) for s in at] for at in slow
-    ]
-    # a list made longer, a dict key renamed, a layer of another class: None, never a guess
-    longer = Net([Norm(3), {"a": Norm(3)}, Norm(3)])
-    assert plan.find(longer) is None
-    renamed = Net([Norm(3), {"b": Norm(3)}])
-    assert plan.find(renamed) is None
+    _, fused = _write_back_of(net, which)
 
     @tied.register
     class Other(Norm):
         pass
 
-    assert plan.find(Net([Other(3), {"a": Norm(3)}])) is None
     fields = Net([Norm(3), {"a": Norm(3)}])
     fields.layers[0].extra = 1.0
-    assert plan.find(fields) is None
+    # a list made longer, a dict key renamed, a layer of another class, a field added: None,
+    # nothing written, never a guess
+    for other in (
+        Net([Norm(3), {"a": Norm(3)}, Norm(3)]),
+        Net([Norm(3), {"b": Norm(3)}]),
+        Net([Other(3), {"a": Norm(3)}]),
+        fields,
+    ):
+        given, _ = tied.flatten(other)
+        cells = [c for c in _cells(other)]
+        kept = [c.value for c in cells]
+        assert fused(other, given, [jnp.ones(3)] * len(which)) is None
+        assert all(c.value is k for c, k in zip(cells, kept))
+    # other arrays than the call was given: None, nothing written
+    other = Net([Norm(3), {"a": Norm(3)}])
+    kept = [c.value for c in _cells(other)]
+    assert fused(other, leaves, [jnp.ones(3)] * len(which)) is None
+    assert all(c.value is k for c, k in zip(_cells(other), kept))
+    # the model it was made for: every place written
+    assert fused(net, leaves, [jnp.ones(3), 2 * jnp.ones(3)]) is True
+    assert float(net.layers[0].mean.value[0]) == 1.0 and float(net.layers[1]["a"].mean.value[0]) == 2.0
 
 
-def test_a_plan_that_disagrees_with_slots_fails_in_check_mode():
+def _cells(net):
+    return [layer.mean for layer in (net.layers[0], *net.layers[1].values())]
+
+
+def test_a_compiled_write_back_that_disagrees_with_slots_fails_in_check_mode():
+    from tied._core.plans import compile_flatten
+
     net = Net([Norm(3), Norm(3)])
     step = tied.jit(lambda m, x: m(x))
     for _ in range(4):  # from the third call on, the call's GraphDef is its plan's (interned)
         step(net, X)
     _, gdef = _graph.flatten_with(((net, X), {}), step._plans)
-    plans = list(gdef.memo.write_plans.items())
-    assert plans and isinstance(plans[0][1], _live.WritePlan)
-    key, plan = plans[0]
-    # a lying plan: the first two arrays' places swapped
-    assert len(plan.places) == 2
-    (n0, *rest0), (n1, *rest1) = plan.places
-    bad = _live.WritePlan(plan.nodes, ((n1, *rest0), (n0, *rest1)), plan.n)
-    gdef.memo.write_plans[key] = bad
+    ((key, writes),) = gdef.memo.writes.items()
+    fused = gdef.memo.write_backs[key]
+    assert fused and len(writes) == 2
+    # a lying write-back: the two arrays' places swapped
+    (n0, *rest0), (n1, *rest1) = writes
+    gdef.memo.write_backs[key] = compile_flatten(gdef, writes=((n1, *rest0), (n0, *rest1)))
     try:
-        with pytest.raises(_graph.PlanMismatch, match="write plan disagrees"):
+        with pytest.raises(_graph.PlanMismatch, match="wrote other places than slots finds"):
             step(net, X)
     finally:
-        gdef.memo.write_plans[key] = plan
+        gdef.memo.write_backs[key] = fused
     step(net, X)
 
 
-def test_state_inside_a_tuple_held_by_a_cell_is_written_by_the_slow_path_every_call():
+def test_state_inside_a_tuple_held_by_a_cell_is_written_by_the_compiled_route():
     cell = tied.State((jnp.zeros(2), jnp.ones(2)))
 
     @tied.jit
@@ -175,23 +202,18 @@ def test_state_inside_a_tuple_held_by_a_cell_is_written_by_the_slow_path_every_c
     np.testing.assert_array_equal(np.asarray(cell.value[0]), np.full(2, 4.0))
     np.testing.assert_array_equal(np.asarray(cell.value[1]), np.ones(2))
     _, gdef = tied.flatten(((cell,), {}))
-    assert any(p is _writeback._NO_PLAN for p in gdef.memo.write_plans.values())
+    assert all(gdef.memo.write_backs.values()) and gdef.memo.write_backs, "the compiled write-back wrote"
 
 
 def test_errors_still_come_from_slots_by_path():
-    import dataclasses
-
-    @dataclasses.dataclass(frozen=True)
-    class Frozen:
-        w: jax.Array
-
-    tied.register(Frozen)
-    model = [Frozen(jnp.zeros(2))]
+    # a place in a tuple that no container can take a new tuple into (the tuple is the root)
+    model = (jnp.zeros(2), {"w": jnp.ones(2)})
     leaves, gdef = tied.flatten(model)
-    with pytest.raises(tied.GraphError, match=r"\[0\]\.w: test writes new arrays"):
-        _writeback.find_places(model, gdef, (0,), action="test", frozen_ok=False)
-    with pytest.raises(tied.GraphError, match=r"\[0\]\.w: test writes new arrays"):
-        _writeback.find_places(model, gdef, (0,), action="test", frozen_ok=False)
+    message = r"^m\[0\]: test writes new arrays .* held by no container"
+    for _ in range(2):  # as the first run and after it
+        with pytest.raises(tied.GraphError, match=message):
+            _writeback.write_back(model, gdef, (0, 1), [jnp.ones(2)] * 2, "test", leaves, name="m".__add__)
+    assert model[1]["w"] is leaves[1]  # nothing written
 
 
 def test_once_planned_the_write_back_does_not_walk_the_model(monkeypatch):
@@ -253,19 +275,6 @@ def test_without_check_mode_the_plan_writes_into_a_replaced_layer(monkeypatch):
     np.testing.assert_array_equal(np.asarray(old.mean.value), before)
     m0 = np.float32(0.1) * np.asarray(X, np.float32).mean(0)
     np.testing.assert_allclose(np.asarray(net.layers[0].mean.value), m0, rtol=1e-6)
-
-
-def test_write_plan_write_gives_up_before_writing_anything():
-    net = Net([Norm(3), {"a": Norm(3)}])
-    leaves, gdef = tied.flatten(net)
-    which = tuple(i for i, s in enumerate(gdef.state_leaves()) if s)
-    _, plan = _live.write_plan(net, gdef, which, action="test", frozen_ok=True)
-    other = Net([Norm(3), {"b": Norm(3)}])
-    kept = [other.layers[0].mean.value, other.layers[1]["b"].mean.value]
-    assert plan.write(other, [jnp.ones(3), jnp.ones(3)]) is False
-    assert other.layers[0].mean.value is kept[0] and other.layers[1]["b"].mean.value is kept[1]
-    assert plan.write(net, [jnp.ones(3), 2 * jnp.ones(3)]) is True
-    assert float(net.layers[0].mean.value[0]) == 1.0 and float(net.layers[1]["a"].mean.value[0]) == 2.0
 
 
 # ---------------------------------------------------------------- the compiled write-back

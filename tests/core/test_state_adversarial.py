@@ -1066,7 +1066,7 @@ def test_a_shared_cell_replaced_by_a_look_alike_during_the_call_is_refused(which
     step = tied.jit(f)
     x = jnp.array([[0.3, -0.7]])
     step(m, x)
-    step(m, x)  # the write plan exists: the next call takes its way
+    step(m, x)  # the places are recorded and the flatten plan made: the next call takes the compiled way
     np.testing.assert_allclose(cell.value, 4.0)  # two increments a call, twice
     armed["on"] = True
     with pytest.raises(

@@ -459,7 +459,7 @@ def test_random_cells_written_under_jit_and_grad_as_eagerly_and_checkpointed(tmp
 def test_repeated_jitted_writes_to_cells_given_one_array_match_eager():
     eager, jitted = two_cells(jnp.int32), two_cells(jnp.int32)
     f = tied.jit(bump_first)
-    for _ in range(5):  # flatten plan, write plan, then the fused write-back
+    for _ in range(5):  # the walk (recording the places), then the compiled write-back
         bump_first(eager)
         f(jitted)
     assert [int(c.value) for c in jitted["cells"]] == [int(c.value) for c in eager["cells"]] == [5, 0]

@@ -5,8 +5,8 @@ and writing into live objects. See README.md beside this file.
 
 from .classify import register, register_state, walkable_below
 from .errors import Located, ModelChangedError, where
-from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
-from .graphdef import GraphDef, expand
+from .graph import flatten, flatten_with, is_state, live_lock, plan_cache, rebuild, ties, unflatten
+from .graphdef import GraphDef, StateClash
 from .kinds import GraphError
 from .live import check_written, slots, write
 from .params import Trainable, is_param, trainable_mask
@@ -15,13 +15,7 @@ from .read import node_objects, read_places
 from .state import Rng, State
 from .under import at_or_below, covered, under, warn_none_selected
 from .view import View, fn_name, materialize, matmul_t, take, transpose, view
-from .writeback import (
-    first_difference,
-    flatten_arguments,
-    place_name,
-    structure_error,
-    write_back,
-)
+from .writeback import first_difference, write_back
 
 __all__ = [
     "GraphDef",
@@ -33,16 +27,16 @@ __all__ = [
     "Places",
     "Rng",
     "State",
+    "StateClash",
     "Trainable",
     "View",
     "at_or_below",
     "check_written",
     "child",
     "covered",
-    "expand",
     "first_difference",
     "flatten",
-    "flatten_arguments",
+    "flatten_with",
     "fn_name",
     "get",
     "is_array",
@@ -54,7 +48,6 @@ __all__ = [
     "matmul_t",
     "take",
     "node_objects",
-    "place_name",
     "plan_cache",
     "put",
     "read_places",
@@ -63,7 +56,6 @@ __all__ = [
     "renew",
     "register_state",
     "slots",
-    "structure_error",
     "ties",
     "trainable_mask",
     "transpose",

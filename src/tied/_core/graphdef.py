@@ -95,8 +95,9 @@ class Memo:
         "flatten_plan",  # the compiled flatten; False: none can be made
         "unflatten_uses",  # unflattens seen
         "unflatten_plans",  # materialize -> the compiled unflatten; False: walked
-        "write_plans",  # (written leaves, frozen_ok) -> `live.WritePlan`, or NO_PLAN
+        "writes",  # written leaves -> their places as one `slots` run found them; None: slots only
         "write_backs",  # written leaves -> the compiled re-check and write; False: none
+        "writes_alone",  # written leaves -> the compiled writes, after the walk's re-check
     )
 
     def __init__(self) -> None:
@@ -105,7 +106,8 @@ class Memo:
         self.post = self.order = self.layout = self.flatten_plan = None
         self.sightings, self.unflatten_uses = 1, 0
         self.unflatten_plans: dict = {}
-        self.write_plans: dict = {}
+        self.writes: dict = {}
+        self.writes_alone: dict = {}
         self.write_backs: dict = {}
 
 

@@ -93,7 +93,7 @@ class Kind:
     writable = False  # a child of a live object can be replaced in place
     fresh_children = False  # `children` builds new objects (kept alive through the walk)
     # Its children are the objects it stores, though it cannot be written in place (a tuple):
-    # a write plan may step through it, since the object at a position now is the one a walk finds.
+    # a compiled write-back may step through it, since the object at a position now is the one a walk finds.
     stores_children = False
     value_when_static = False  # holding only statics, it is a value: one record per place
     materializes = False  # `unflatten(..., materialize=True)` replaces it by `materialize`

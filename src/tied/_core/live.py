@@ -7,12 +7,10 @@ arrays back) and `tied.optim.update_inplace` (puts the updated arrays in for
 good). Both go through `slots`, which finds every place of the chosen unique
 arrays in the live model, from the `GraphDef` of a `flatten` of it, and refuses
 a place that cannot be written, naming its path, before anything is written.
-`write_plan` keeps what one `slots` run found as positions from the root (a
-`WritePlan`): replayed on a later model of the same GraphDef, it reaches only the
-nodes on the way to the written places, each checked (type, meta, length) on the
-live objects, and gives up (None) at the first difference; the write-back of
-`tied.jit` uses it (`_writeback.find_places`), checked against `slots` under
-``TIED_CHECK_PLANS=1``.
+`recorded_writes` keeps what one `slots` run found as positions in the GraphDef (node
+record, child), which the compiled write-back of `writeback.py` writes at on any later
+model of the same structure once its generated code has checked that model (a place in a
+tuple or inside a cell's value rebuilt as `slots` rebuilds it).
 
 Threads. While tied writes into a model, other threads that read it directly
 would see what is written: traced values during `tied.gradient`, a half-updated
@@ -42,8 +40,7 @@ __all__ = [
     "live_lock",
     "Slot",
     "slots",
-    "write_plan",
-    "WritePlan",
+    "recorded_writes",
     "write",
     "check_written",
 ]
@@ -183,7 +180,7 @@ def slots(
                 if slot is None:
                     slot = Slot(place.path, kind, node.meta, node.obj, i)
                 if _record is not None:
-                    _record.append((wanted[place.index], place.parent, slot))
+                    _record.append((wanted[place.index], place.parent, i, slot))
                 out[wanted[place.index]].append(slot)
                 continue
         if place.kind in ("array", "static") or not place.first:
@@ -409,116 +406,47 @@ def _transient_error(path: str, obj: Any, action: str) -> GraphError:
     )
 
 
-# ---------------------------------------------------------------- write plans
+# ---------------------------------------------------------------- the writes a plan makes
 
 
-class WritePlan:
-    """Where `slots` found the places of some unique arrays, as positions from the root.
-
-    Made from one `slots` run on a model of a GraphDef and replayed on any later model of
-    the same GraphDef: each node on the way is reached by its position in its parent's
-    children, and checked to have the type, the children's meta and the number of
-    children seen when the plan was made. A plan never decides anything `slots` decides
-    (errors, cells, made-anew containers): a structure where any of that arises gets no
-    plan. ``find`` returns None at the first difference (the caller then runs `slots`).
-    """
-
-    __slots__ = ("nodes", "places", "n", "writes")
-
-    def __init__(self, nodes: tuple, places: tuple, n: int, writes: tuple = ()):
-        self.nodes = nodes  # (parent's entry or -1, position there, kind, type, meta, length)
-        self.places = places  # (n, container's entry in nodes, position, path)
-        self.n = n
-        self.writes = writes  # (n, container's node record in the GraphDef, position)
-
-    def _resolve(self, model: Any) -> tuple[list, list] | None:
-        """Each node on the way in ``model`` and its meta, or None at the first difference."""
-        n = len(self.nodes)
-        objs: list = [None] * n
-        kids: list = [None] * n
-        metas: list = [None] * n
-        try:
-            for k, (parent, pos, kind, typ, meta, length) in enumerate(self.nodes):
-                obj = model if parent < 0 else kids[parent][pos]
-                if type(obj) is not typ:
-                    return None
-                children, m = kind.children(obj)
-                if len(children) != length or (m is not meta and not bool(m == meta)):
-                    return None
-                objs[k], kids[k], metas[k] = obj, children, m
-        except Exception:  # a container that cannot be read as it was: not this plan's model
-            return None
-        return objs, metas
-
-    def find(self, model: Any) -> list[list[Slot]] | None:
-        """The slots in ``model``, or None if ``model`` differs anywhere on the way."""
-        found = self._resolve(model)
-        if found is None:
-            return None
-        objs, metas = found
-        out: list[list[Slot]] = [[] for _ in range(self.n)]
-        nodes = self.nodes
-        for w, k, i, path in self.places:
-            out[w].append(Slot(path, nodes[k][2], metas[k], objs[k], i))
-        return out
-
-    def write(self, model: Any, values: Sequence[Any]) -> bool:
-        """Put ``values[n]`` at every place of the n-th array in ``model`` (what `write` does
-        with the slots of `find`, without making them); False, with nothing written, if
-        ``model`` differs anywhere on the way."""
-        found = self._resolve(model)
-        if found is None:
-            return False
-        objs, metas = found
-        nodes = self.nodes
-        for w, k, i, _ in self.places:
-            nodes[k][2].setter(metas[k], objs[k], i)(values[w])
-        return True
-
-
-def write_plan(
-    model: Any, gdef: GraphDef, which: Sequence[int], *, action: str, frozen_ok: bool, rebuild: bool = False
-):
-    """`slots`, and a `WritePlan` that finds the same slots in a later model of ``gdef``
-    (None where the structure needs what only `slots` decides: a cell, a made-anew or
-    pytree container on the way). Raises what `slots` raises."""
-    record: list = []
-    out = slots(model, gdef, which, action=action, frozen_ok=frozen_ok, rebuild=rebuild, _record=record)
+def recorded_writes(record: list) -> tuple | None:
+    """The writes of one `slots` run (its ``_record``) as a compiled write-back makes them
+    (`plans.compile_flatten(gdef, writes=...)`): ``(n, j, i)``, the n-th value put at child
+    ``i`` of node record ``j``, for every place (a place in a tuple, or inside a state cell's
+    value, written by rebuilding it, as `slots` does); the same for any later model of the
+    GraphDef. None where a container on the way to a place (or to a place of a tuple rebuilt)
+    is made anew by each walk or read through a call (a JAX pytree node): its children may
+    not be the objects it stores, which only `slots` checks."""
     if not record:  # nothing wanted
-        return out, WritePlan((), (), len(out))
+        return ()
     opened = record.pop()
-    places = []
-    needed: dict[int, _Open] = {}
-    for n, j, slot in record:
-        if type(slot) is not Slot:
-            return out, None
-        places.append((n, j, slot._i, slot.path))
-        while j >= 0 and j not in needed:
+    writes = []
+    seen: set[int] = set()
+
+    def stored(j: int) -> bool:  # every node from ``j`` up to the root stores its children
+        while j >= 0 and j not in seen:
             node = opened[j]
             if node.twin is not None or node.twins is not None and any(t is not None for t in node.twins):
-                return out, None
-            # a write plan steps only through kinds whose children are the objects they store
+                return False
             if not node.kind.stores_children and (not node.kind.writable or node.kind.fresh_children):
-                return out, None
-            needed[j] = node
+                return False
+            seen.add(j)
             j = node.place.parent
-    # A parent is opened (numbered) before its children: in index order, each node's parent
-    # has its entry already.
-    entry = {j: k for k, j in enumerate(sorted(needed))}
-    nodes = tuple(
-        (
-            entry.get(node.place.parent, -1),
-            node.pos,
-            node.kind,
-            type(node.obj),
-            node.meta,
-            len(node.children),
-        )
-        for j, node in sorted(needed.items())
-    )
-    writes = tuple((n, j, i) for n, j, i, _ in places)
-    places = [(n, entry[j], i, path) for n, j, i, path in places]
-    return out, WritePlan(nodes, tuple(places), len(out), writes)
+        return True
+
+    for n, j, i, slot in record:
+        if not stored(j):
+            return None
+        if type(slot) is _RebuiltSlot:  # every place of the tuple, and of the tuples holding it
+            tuples = [slot._node]
+            while tuples:
+                for up, _, _ in slot._holders[tuples.pop().place.index]:
+                    if up is None or not stored(up.place.index):
+                        return None
+                    if not _holds_in_place(up):
+                        tuples.append(up)
+        writes.append((n, j, i))
+    return tuple(writes)
 
 
 # ---------------------------------------------------------------- writing

@@ -32,12 +32,12 @@ from .._core import (
     flatten,
     live_lock,
     node_objects,
-    place_name,
     slots,
     walkable_below,
     write,
     write_back,
 )
+from .writes import place_name
 
 __all__ = [
     "CopyScope",
@@ -69,7 +69,7 @@ def write_back_checked(
     escaping = escaping_tracer(gdef, inputs, written, values, who, "nothing was written", root)
     if escaping is not None:
         raise escaping
-    write_back(root, gdef, written, values, action, inputs)
+    write_back(root, gdef, written, values, action, inputs, name=place_name)
 
 
 def escaping_tracer(

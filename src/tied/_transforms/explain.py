@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 
-from .._core import GraphDef, place_name
+from .._core import GraphDef
+from .writes import place_name
 
 __all__ = ["cache_size", "enabled", "explain"]
 

@@ -14,7 +14,6 @@ from .._core import (
     GraphDef,
     GraphError,
     Trainable,
-    expand,
     flatten,
     is_param,
     read_places,
@@ -204,7 +203,7 @@ def _inputs(gdef: GraphDef, leaves: list, trainable: Any, per_location: bool) ->
         warn_none_selected(trainable, params, who="tied.grad", stacklevel=4)
     if not per_location:
         return gdef, leaves, [i for i, m in enumerate(mask) if m], None
-    structure, place_leaf = expand(gdef, keep_state=True)  # state: one object
+    structure, place_leaf = gdef.expand(keep_state=True)  # state: one object
     return (
         structure,
         [leaves[q] for q in place_leaf],

@@ -16,8 +16,6 @@ from .._core import (
     GraphDef,
     GraphError,
     flatten,
-    flatten_arguments,
-    place_name,
     plan_cache,
     rebuild,
     write_back,
@@ -35,6 +33,7 @@ from .escapes import (
 from .lift import call_on_copy, learn_output, output_of, read_writes, refusing_drops
 from .sharding import _describe_sharding, _same_layout, copy_shardings, leaf_shardings
 from .totals import is_total, mark_total
+from .writes import flatten_arguments, place_name
 
 __all__ = ["Graph", "Jitted", "jit", "block_until_ready"]
 
@@ -523,7 +522,7 @@ class Jitted:
             out_leaves = out_leaves[:n_checked]
         if written:
             n_out = len(out_leaves) - len(written)
-            write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves)
+            write_back(root, gdef, written, out_leaves[n_out:], "tied.jit", leaves, name=place_name)
             out_leaves = out_leaves[:n_out]
         return output_of(out.graphdef, out_leaves, out.totals)  # tied's totals known again
 

@@ -31,10 +31,11 @@ from typing import Any
 
 import jax
 
-from .._core import GraphDef, GraphError, flatten, rebuild, structure_error
+from .._core import GraphDef, GraphError, flatten, rebuild
 from .checks import check_scope, run_checks
 from .escapes import copy_scope, own_copy, refuse_dropped, write_back_checked
 from .totals import is_total, mark_total
+from .writes import structure_error
 
 __all__ = [
     "Copy",

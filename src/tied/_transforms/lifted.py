@@ -28,12 +28,12 @@ from .._core import (
     GraphDef,
     GraphError,
     flatten,
-    place_name,
     where,
 )
 from .escapes import refuse_static_ties, refuse_static_writes, static_snapshot
 from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes
 from .stack import Stack, layout
+from .writes import place_name
 
 __all__ = ["scan", "vmap", "remat"]
 

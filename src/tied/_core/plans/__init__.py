@@ -9,6 +9,7 @@ from .compile import (
     MAX_PLAN_LINES,
     compile_flatten,
     compile_unflatten,
+    compile_writes,
     plan_bound,
 )
 from .loops import flatten_lines, layout_and_order, unflatten_lines
@@ -17,6 +18,7 @@ __all__ = [
     "LARGE_PLAN_SIGHTINGS",
     "MAX_PLAN_LINES",
     "compile_flatten",
+    "compile_writes",
     "compile_unflatten",
     "flatten_lines",
     "layout_and_order",

@@ -120,13 +120,16 @@ def guarded(root):
  except FAIL:
   return None
 """
-# A write-back plan: ``plan(root, INP)`` reads and checks, handing out the containers the
-# writes go through; ``guarded`` makes the writes once every check has passed.
+# A write-back plan: ``plan(root, INP, V)`` reads and checks, then (every check passed) reaches
+# the containers a loop read by their first places (REACH) and builds the containers rebuilt
+# (a tuple, a cell's value: the emitters' ``make``, ``shell``, ``fill``), handing out those
+# and the containers the writes go through; ``guarded`` makes the writes.
+REACH = "n{j} = {expr}"
 WRITE_BACK = """\
  return {held}
 def guarded(root, INP, V):
  try:
-  C = plan(root, INP)
+  C = plan(root, INP, V)
  except FAIL:
   return None
  {unpacked} = C
@@ -200,9 +203,11 @@ def compile_flatten(
     write-back, ``f(root, inputs, values)``: the same reading and checks, and the leaves
     must be ``inputs`` themselves (so they are distinct); only then every place is
     written, and it returns True (None, having written nothing, where the model is not
-    of this GraphDef or holds other arrays). None is returned, instead of a function,
-    when a written container is read in a loop. ``order`` is the walk order, where the
-    caller has it at hand (`layout_and_order`, whose replay of the records makes it).
+    of this GraphDef or holds other arrays). Once every check has passed, a written
+    container that a loop read is reached by its first place, and a place in a tuple or
+    inside a state cell's value is written as `live.slots` writes it: its containers
+    rebuilt, put where the old ones were. ``order`` is the walk order, where the caller
+    has it at hand (`layout_and_order`, whose replay of the records makes it).
 
     The code reads every place into a local, then checks what the walk would have
     established, mostly in a few C-level comparisons at the end: the types of the
@@ -229,6 +234,21 @@ def compile_flatten(
         return None
     if writes is None:
         return plan.guarded()
+    return plan.write_back(writes)
+
+
+def compile_writes(gdef: GraphDef, writes: tuple) -> Callable[..., Any]:
+    """The writes of a write-back alone, ``f(root, None, values)`` (True once written), for a
+    model that the walk has just found of exactly this GraphDef, holding the very arrays the
+    call was given (the write-back's re-check, where the structure has no flatten plan: over
+    the plan bound): each written container reached from the root by its first place, the
+    containers rebuilt and the places written as `compile_flatten`'s write-back does, with
+    none of its reading and checks."""
+    lay, found = layout_and_order(gdef)
+    plan = _FlattenEmitter(gdef, lay)
+    plan.order = found or _walk_order(gdef)
+    plan.child_expr[-1] = ["root"]  # the root's place: reached from there
+    plan.ns["FAIL"] = _FAIL
     return plan.write_back(writes)
 
 
@@ -259,6 +279,8 @@ class _FlattenEmitter:
         self.objects: list[tuple[str, str, Any, tuple]] = []
         self.code.objects = self.objects
         self.bulk: set[int] = set()  # sequences of arrays whose places were read in one statement
+        self.order: list = []  # the places in the walk's order (`read`)
+        self.places: dict[int, list[tuple[int, int]]] | None = None  # node -> [(parent, position)]
         # Arrays read in bulk or in loops: [first, end) held by a sequence local, in walk order.
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -298,6 +320,7 @@ class _FlattenEmitter:
         """Every place into a local, in the walk's ``order``: an array or a static at its place,
         a node with its kind's checks, a later place of either by identity."""
         emit, child_expr, seen_leaf = self.emit, self.child_expr, self.seen_leaf
+        self.order = order
         run_at = {(run.parent, run.start): run for runs in self.lay.runs.values() for run in runs}
         if run_at:  # nodes read in loops whose identity must be checked (see loops.flatten_loop)
             emit("TN = []")
@@ -459,23 +482,98 @@ class _FlattenEmitter:
         """The flatten plan: the list of arrays, or None at the first difference."""
         return _compile("\n".join(self.lines) + "\n" + GUARDED, "flatten", self.ns, "guarded")
 
-    def write_back(self, writes: tuple) -> Callable[..., Any] | None:
-        """The write-back: the reading and checks, then the ``writes`` (None where a written
-        container is read in a loop). The writes run once every check has passed, outside the
-        guard: a setter that raises (a state cell refusing its value) is an error, never a
-        miss after half a write."""
-        self.lines[0] = "def plan(root, INP):"
+    def write_back(self, writes: tuple) -> Callable[..., Any]:
+        """The write-back: the reading and checks, then the ``writes``. A place in a tuple, or
+        inside a state cell's value, is written as `live.slots` writes it: the containers are
+        rebuilt (`rebuilt`), once every check has passed, and put where the old ones were. The
+        writes run once every check has passed, outside the guard: a setter that raises (a
+        state cell refusing its value) is an error, never a miss after half a write."""
+        self.lines[0] = "def plan(root, INP, V):"
+        puts_at, rebuilt = self.rebuilt(writes)
+        for j in [j for j, _, _ in puts_at] + list(rebuilt):
+            self.reach(j)
+        for j, values in rebuilt.items():  # children first: the dict is filled in that order
+            kind, meta, refs = self.records[j]
+            exprs = [values.get(k, e) for k, e in enumerate(self.child_expr[j])]
+            args = partial(_display, exprs)
+            emitter, positions = EMITTERS[kind], tuple(range(len(refs)))
+            if kind in _MUTABLE:  # a container of a cell's value: a new one, never changed in place
+                emitter.shell(self.code, f"r{j}", meta)
+                emitter.fill(self.code, f"r{j}", meta, positions, args, exprs.__getitem__)
+            else:
+                emitter.make(self.code, f"r{j}", meta, positions, args, exprs.__getitem__)
         puts: list[str] = []
         code = Code(puts, " ", self.const)
-        held: list[str] = []
-        for n, j, i in writes:
-            if j not in self.seen_node:  # read in a loop: no local holds it
-                return None
+        held: list[str] = [value for _, _, value in puts_at if value[0] == "r"]
+        for j, i, value in puts_at:
             kind, meta, _ = self.records[j]
-            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, n))
+            held.append(EMITTERS[kind].put(code, f"n{j}", str(j), self.child_expr[j][i], meta, i, value))
         held = tup(list(dict.fromkeys(held)))
         source = WRITE_BACK.format(held=held, unpacked=held[1:-1], puts="\n".join(puts))
         return _compile("\n".join(self.lines) + "\n" + source, "write-back", self.ns, "guarded")
+
+    def rebuilt(self, writes: tuple) -> tuple[list, dict[int, dict[int, str]]]:
+        """The puts ``(j, i, value)`` of ``writes``, and the containers rebuilt, children first,
+        each with its new children by position: a tuple holding a written place (the new one
+        put at every place of it, a tuple holding it rebuilt in turn), and the containers of a
+        state cell's value on the way to a written place (the new value put in the cell)."""
+        records, state, cells = self.records, self.gdef.state_leaves(), self.gdef.state_nodes()
+        self.places_of(0)
+        puts: list = []
+        new: dict[int, dict[int, str]] = {}
+        below: dict[int, list[int]] = {}  # a rebuilt container: the rebuilt ones it holds
+
+        def put(j: int, i: int, value: str, in_cell: bool) -> None:
+            kind = records[j][0]
+            if in_cell and not cells[j]:  # a container of a cell's value: rebuilt, and so on up
+                places = self.places[j][:1]
+            elif not in_cell and kind in (TUPLE, NAMEDTUPLE):  # every place of the tuple
+                places = self.places[j]
+            else:
+                puts.append((j, i, value))
+                return
+            first = j not in new
+            new.setdefault(j, {})[i] = value
+            if value[0] == "r":
+                below.setdefault(j, []).append(int(value[1:]))
+            if first:
+                for parent, k in places:
+                    put(parent, k, f"r{j}", in_cell)
+
+        for n, j, i in writes:
+            put(j, i, f"V[{n}]", state[records[j][2][i] // TAGS])
+        order: dict[int, dict[int, str]] = {}
+
+        def children_first(j: int) -> None:
+            if j not in order:
+                for k in below.get(j, ()):
+                    children_first(k)
+                order[j] = new[j]
+
+        for j in new:
+            children_first(j)
+        return puts, order
+
+    def places_of(self, j: int) -> list[tuple[int, int]]:
+        """Every place of node ``j``: (parent, position), in the walk's order."""
+        if self.places is None:
+            self.places = {}
+            for parent, i, r in self.order:
+                if r % TAGS == NODE:
+                    self.places.setdefault(r // TAGS, []).append((parent, i))
+        return self.places.get(j, [])
+
+    def reach(self, j: int) -> None:
+        """Node ``j``, read in a loop (no local holds it), into local ``n{j}``, its children's
+        expressions kept: from its first place, its parent reached first. Emitted after every
+        check, each step reads what the checks read: the very object the loop checked."""
+        if j in self.child_expr:  # read straight: its local holds it
+            return
+        parent, i = self.places_of(j)[0]
+        self.reach(parent)
+        kind, meta, refs = self.records[j]
+        self.emit(REACH, j=j, expr=self.child_expr[parent][i])
+        self.child_expr[j] = EMITTERS[kind].reach(self.code, f"n{j}", meta, len(refs), str(j))
 
 
 def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) -> list[str]:
@@ -488,6 +586,11 @@ def _segments(n: int, starts: list[int], ends: list[int], holders: list[str]) ->
         q = end
     out.extend(f"l{x}" for x in range(q, n))
     return out
+
+
+def _display(exprs: list[str], positions: tuple) -> str:
+    """A tuple display of the expressions at ``positions`` (a rebuilt container's children)."""
+    return tup([exprs[k] for k in positions])
 
 
 def _identity_hashed(record: tuple) -> bool:

@@ -61,9 +61,9 @@ CHECK_FIELDS = "if {unequal}: raise M"
 UNPACK_VALUES = "{targets}, = {d}.values()"
 
 # ---------------------------------------------------------------- templates: writing a node's child
-# (a write-back plan: the n-th new value ``V[{n}]`` put at a place read before)
-PUT_ITEM = "{child} = V[{n}]"  # the place's reading expression is the item its setter assigns
-PUT_BY_SETTER = "{setter}({meta}, {v}, {i})(V[{n}])"  # the kind's own setter (a cell checks)
+# (a write-back plan: ``value``, a new value ``V[n]`` or a rebuilt container, put at a place read before)
+PUT_ITEM = "{child} = {value}"  # the place's reading expression is the item its setter assigns
+PUT_BY_SETTER = "{setter}({meta}, {v}, {i})({value})"  # the kind's own setter (a cell checks)
 
 # ---------------------------------------------------------------- templates: a static at its place
 STATIC_EXACT = "{s} is not {value} and (type({s}) is not {type} or {s} != {value})"
@@ -224,11 +224,18 @@ class Emitter:
         """A node built at once, its children made before (no cycle passes through it)."""
         self.make(code, y, meta, refs, args, ref)
 
-    def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, n: int) -> str:
-        """Emit the write of new value ``n`` at child ``i`` (read as ``child``) of the node in
-        local ``v``; return the local the write goes through (the plan hands it out)."""
+    def reach(self, code: Code, v: str, meta: Any, n: int, at: str) -> list[str]:
+        """The expressions of the children of the node in local ``v``, with no check: a
+        write-back plan reaching, once every check has passed, a container a loop read."""
+        c, a = code.local("c", at), code.local("a", at)
+        code.emit(CALL_CHILDREN, c=c, a=a, call=code.const(self.kind.children, "CH"), v=v)
+        return [f"{c}[{k}]" for k in range(n)]
+
+    def put(self, code: Code, v: str, at: str, child: str, meta: Any, i: int, value: str) -> str:
+        """Emit the write of ``value`` (an expression) at child ``i`` (read as ``child``) of the
+        node in local ``v``; return the local the write goes through (the plan hands it out)."""
         setter = code.once(("setter", self.kind.index), self.kind.setter, "SET")
-        code.emit(PUT_BY_SETTER, setter=setter, meta=code.const(meta, "MT"), v=v, i=i, n=n)
+        code.emit(PUT_BY_SETTER, setter=setter, meta=code.const(meta, "MT"), v=v, i=i, value=value)
         return v
 
     def materialize(self, code: Code, y: str, j: int, meta: Any, source: str) -> None:
@@ -256,6 +263,9 @@ class _Sequence(Emitter):
 
     def read(self, code, v, meta, n, at, bulk=None):
         code.emit(CHECK_SEQUENCE, v=v, type=self.kind.name, n=n)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}[{k}]" for k in range(n)]
 
     def shell(self, code, y, meta):
@@ -264,10 +274,10 @@ class _Sequence(Emitter):
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
         code.emit(FILL_LIST, y=y, args=args(refs))
 
-    def put(self, code, v, at, child, meta, i, n):
+    def put(self, code, v, at, child, meta, i, value):
         if not self.kind.mutable:
-            return super().put(code, v, at, child, meta, i, n)
-        code.emit(PUT_ITEM, child=child, n=n)
+            return super().put(code, v, at, child, meta, i, value)
+        code.emit(PUT_ITEM, child=child, value=value)
         return v
 
     def make(self, code, y, meta, refs, args, ref):
@@ -299,11 +309,15 @@ class _Dict(Emitter):
             code.emit(CHECK_STRICT_KEYS, v=v, strict=strict)
         return [f"{v}[{ks}[{k}]]" for k in range(n)]
 
+    def reach(self, code, v, meta, n, at):
+        ks = code.const(meta[0], "K")
+        return [f"{v}[{ks}[{k}]]" for k in range(n)]
+
     def shell(self, code, y, meta):
         code.emit(SHELL_DICT, y=y)
 
-    def put(self, code, v, at, child, meta, i, n):
-        code.emit(PUT_ITEM, child=child, n=n)
+    def put(self, code, v, at, child, meta, i, value):
+        code.emit(PUT_ITEM, child=child, value=value)
         return v
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
@@ -327,6 +341,9 @@ class _NamedTuple(Emitter):
 
     def read(self, code, v, meta, n, at, bulk=None):
         code.emit(CHECK_SEQUENCE, v=v, type=code.const(meta, "T"), n=n)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}[{k}]" for k in range(n)]
 
     def make(self, code, y, meta, refs, args, ref):
@@ -353,8 +370,7 @@ class _Object(Emitter):
         d = code.local("d", at)
         if code.objects is not None:  # its type and field names checked with all the others
             code.objects.append((v, d, meta[0], meta[1]))
-            code.emit(READ_DICT, d=d, v=v)
-            return [f"{d}[{name!r}]" for name in meta[1]]
+            return self.reach(code, v, meta, n, at)
         code.emit(CHECK_TYPE, v=v, type=code.const(meta[0], "T"))
         code.emit(READ_DICT, d=d, v=v)
         if not n:
@@ -368,13 +384,18 @@ class _Object(Emitter):
         code.emit(UNPACK_VALUES, targets=", ".join(values), d=d)
         return values
 
+    def reach(self, code, v, meta, n, at):
+        d = code.local("d", at)
+        code.emit(READ_DICT, d=d, v=v)
+        return [f"{d}[{name!r}]" for name in meta[1]]
+
     def shell(self, code, y, meta):
         code.emit(SHELL_OBJECT, y=y, type=code.const(meta[0], "T"))
 
-    def put(self, code, v, at, child, meta, i, n):
+    def put(self, code, v, at, child, meta, i, value):
         if type(self.kind).setter is not type(KINDS[OBJ]).setter:  # its own (a state cell's)
-            return super().put(code, v, at, child, meta, i, n)
-        code.emit(PUT_ITEM, child=child, n=n)  # an item of its __dict__, read in d{at}
+            return super().put(code, v, at, child, meta, i, value)
+        code.emit(PUT_ITEM, child=child, value=value)  # an item of its __dict__, read in d{at}
         return code.local("d", at)
 
     def fill(self, code, y, meta, refs, args, ref, bulk=False):
@@ -400,6 +421,9 @@ class _View(Emitter):
     def read(self, code, v, meta, n, at, bulk=None):
         fn, strict = code.const(meta, "FN"), code.const(_strict(meta), "SFN")
         code.emit(CHECK_VIEW, v=v, fn=fn, strict=strict)
+        return self.reach(code, v, meta, n, at)
+
+    def reach(self, code, v, meta, n, at):
         return [f"{v}.source"]
 
     def make(self, code, y, meta, refs, args, ref):
