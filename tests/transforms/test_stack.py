@@ -349,3 +349,13 @@ def test_places_written_alike_in_a_member_are_refused_naming_the_path(own_first)
     members = [_Dotted(jnp.full(2, float(i)), shared, own_first) for i in range(3)]
     with pytest.raises(ValueError, match=r"tied.stack: two places of a member are both written \.b\.c"):
         tied.stack(members)
+
+
+def test_members_whose_views_use_two_function_objects_are_refused_naming_the_function():
+    # the message said "its keys or fields, their order or their types changed", which none did
+    w = jnp.ones((2, 3))
+    members = [{"v": tied.view(w, lambda x: x.T)}, {"v": tied.view(2 * w, lambda x: x.T)}]
+    with pytest.raises(
+        ValueError, match=r"differ at \['v'\]: its view's function is another object \(\S*<lambda> and"
+    ):
+        tied.stack(members)

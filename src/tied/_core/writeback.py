@@ -38,7 +38,7 @@ def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
             return p.path, f"a {p.type.__name__} became a {q.type.__name__}"
         if meta is None and p.kind not in ("array", "static") and p.first and q.first:
             if before._node_key(p.index) != after._node_key(q.index):  # named if nothing else differs
-                meta = p.path, "its keys or fields, their order or their types changed"
+                meta = p.path, _meta_change(p, q)
         if p.first != q.first or p.index != q.index:
             return p.path, "the sharing changed there (a tie was cut or made)"
         if p.kind == "static" and before.statics[p.index] is not after.statics[q.index]:
@@ -47,6 +47,17 @@ def first_difference(before: GraphDef, after: GraphDef) -> tuple[str, str]:
         longer = a if len(a) > len(b) else b
         return longer[min(len(a), len(b))].path, "a place was added or removed there"
     return meta or ("", "the structure changed")
+
+
+def _meta_change(p: Any, q: Any) -> str:
+    """How two nodes of one kind and type at one place differ in their own data."""
+    if p.kind == "view" and p.value is not q.value:
+        a, b = (getattr(v, "__qualname__", type(v).__name__) for v in (p.value, q.value))
+        return (
+            f"its view's function is another object ({a} and {b}: a function made anew for each, such as "
+            "a lambda, is another function); make the views with one function object"
+        )
+    return "its keys or fields, their order or their types changed"
 
 
 def write_back(
