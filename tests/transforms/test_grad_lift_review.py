@@ -52,6 +52,17 @@ def test_a_static_argument_set_between_lower_and_the_first_call_is_refused_not_r
     np.testing.assert_array_equal(f(jnp.ones(2), c), _scale(jnp.ones(2), c))
 
 
+def test_an_equal_static_first_called_after_another_was_lowered_is_refused():
+    """The version's statics are the ones of the call that made it (`lower` here; or another
+    thread's call that made the entry first), never the first caller's (on main: 3.0, the lowered
+    object's, silently, where the eager run gives 4.0)."""
+    f = tied.jit(_scale, static_argnums=1)
+    f.lower(jnp.ones(2), _Cfg(jnp.array(3.0)))
+    other = _Cfg(jnp.array(4.0))
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.a: this array was replaced"):
+        f(jnp.ones(2), other)
+
+
 def test_a_trace_again_for_a_weak_type_never_reads_the_first_calls_changed_static():
     """JAX traces the same version again when an input's weak type changes; the body then reads
     the first call's static object, set since. An equal static holding the first call's arrays
@@ -149,3 +160,59 @@ def test_a_check_in_a_loss_under_jax_vmap_raises_for_the_bad_example_only(where)
     per = jax.vmap(lambda x: jax.grad(s_of, argnums=(0, 2))(w, b, w, x))(xs)
     ref = per[0] + per[1] if where == "around" else (per[0] + per[1]).sum(0)
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the loss's aux
+
+
+@pytest.mark.parametrize("how", ["grad", "value_and_grad", "jit"])
+def test_the_loss_may_return_the_model_in_its_aux_with_its_ties(how):
+    """An aux holding tied nodes (the model, a layer) comes back with its ties, no tracer left,
+    as tied.jit returns a model (on main: "Dense is a tied node ... not a JAX pytree ... Use the
+    tied way: tied.grad", raised from inside tied.grad)."""
+    m, d = _tied_pair()
+    w, b = d.weight, d.bias
+    bn = tied.nn.BatchNorm(2)
+    m["bn"] = bn
+
+    def loss(m):
+        return jnp.sum(m["bn"](m["head"](m["d"](X))) ** 2), (m, m["d"])
+
+    if how == "grad":
+        g, (aux, layer) = tied.grad(loss, has_aux=True)(m)
+    elif how == "value_and_grad":
+        (_, (aux, layer)), g = tied.value_and_grad(loss, has_aux=True)(m)
+    else:
+        g, (aux, layer) = tied.jit(tied.grad(loss, has_aux=True))(m)
+    assert aux["d"] is layer and aux["d"].weight is aux["head"].weight
+    assert not any(isinstance(x, jax.core.Tracer) for x in tied.flatten(aux)[0])
+    np.testing.assert_array_equal(aux["d"].weight, w)
+    # the state the loss wrote: in the caller's BatchNorm and in the aux's copy of it
+    assert int(bn.num_batches_tracked.value) == 1
+    np.testing.assert_array_equal(aux["bn"].running_mean.value, bn.running_mean.value)
+
+    def by_hand(w1, b, w2):
+        y = (X @ w1.T + b) @ w2.T
+        mu = y.mean(0)
+        return jnp.sum(((y - mu) / jnp.sqrt(((y - mu) ** 2).mean(0) + bn.eps)) ** 2)
+
+    ref = jax.grad(by_hand, argnums=(0, 1, 2))(w, b, w)
+    assert g["d"].weight is g["head"].weight
+    np.testing.assert_allclose(g["d"].weight, ref[0] + ref[2], rtol=1e-4, atol=1e-5)
+
+
+def test_a_gradient_returned_in_the_aux_keeps_its_totals_for_accumulate():
+    """tied.grad's own totals in the aux of an outer tied.grad stay known as totals: accumulate
+    takes them once (on main the aux could not hold the gradient tree at all)."""
+    m, d = _tied_pair()
+
+    def outer(m):
+        inner = tied.grad(lambda m: jnp.sum(m["head"](m["d"](X)) ** 2))(m)
+        return jnp.sum(m["d"](X)), inner
+
+    _, inner = tied.grad(outer, has_aux=True)(m)
+    w, b = d.weight, d.bias
+    ref = jax.grad(lambda w1, b, w2: jnp.sum(((X @ w1.T + b) @ w2.T) ** 2), argnums=(0, 2))(w, b, w)
+    total = tied.accumulate(m, inner)
+    assert total["d"].weight is inner["d"].weight is inner["head"].weight
+    np.testing.assert_allclose(total["d"].weight, ref[0] + ref[1], rtol=1e-5)

@@ -536,21 +536,20 @@ class Jitted:
 
     def _check_statics(self, key: tuple, root: Any, gdef: GraphDef, entry: _Compiled) -> None:
         """Before a call or a lowering: refuse a static argument that holds a node the traced
-        ones hold too, or other arrays than when this version was first called or lowered
-        (recorded then, and compared again whenever JAX traces the version anew)."""
+        ones hold too, or other arrays than the call that made this version (``entry.statics``,
+        compared again whenever JAX traces the version anew)."""
         if key[1] == ((), ()):
             return
         held = static_snapshot(*key[1])  # one object in a static and a traced argument: two inside
         refuse_static_ties(held, root, gdef, "tied.jit")
-        with self._lock:  # the arrays the statics held when this version was traced
-            if entry.statics is None:
-                entry.statics = held[0]
         refuse_new_static_arrays(entry.statics, held[0], "tied.jit")
 
     # ------------------------------------------------ compiling
     def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple, given) -> _Compiled:
         entry = _Compiled()
-        entry.statics = None
+        # the arrays the statics hold now, which the body's trace reads (as constants): taken
+        # here, by the call that made the entry, so that no other call's statics are recorded
+        entry.statics = static_snapshot(*key[1])[0] if key[1] != ((), ()) else None
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
         statics, kw_static = key[1]
