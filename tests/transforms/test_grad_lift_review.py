@@ -216,3 +216,43 @@ def test_a_gradient_returned_in_the_aux_keeps_its_totals_for_accumulate():
     total = tied.accumulate(m, inner)
     assert total["d"].weight is inner["d"].weight is inner["head"].weight
     np.testing.assert_allclose(total["d"].weight, ref[0] + ref[1], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- checks in implicit mode
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_check_in_tied_gradient_raises_its_own_error_and_puts_the_state_back(jit):
+    """tied.gradient (implicit mode) carries its checks out as tied.grad does: the check's own
+    ValueError and the BatchNorm's state as it was (on main: JAX's raw 'CpuCallback error');
+    a passing check changes nothing, and the total is plain jax.grad summed over the tie."""
+    m, d = _tied_pair()
+    bn = m["bn"] = tied.nn.BatchNorm(2)
+    mean = bn.running_mean.value
+    w, b = d.weight, d.bias
+
+    def by_hand(w1, b, w2):
+        return jnp.sum(((X @ w1.T + b) @ w2.T) ** 2)
+
+    s = float(by_hand(w, b, w))
+
+    def run(limit):
+        def step(m):
+            def fun():
+                v = jnp.sum(m["head"](m["d"](X)) ** 2)
+                m["bn"](X)
+                check(v > limit, _over(limit), v)
+                return v
+
+            return tied.gradient(fun, tied.params(m))[m["d"].weight]
+
+        return (tied.jit(step) if jit else step)(m)
+
+    with pytest.raises(ValueError, match=rf"^check: {s:.2f} over"):
+        run(s / 2)
+    assert bn.running_mean.value is mean and int(bn.num_batches_tracked.value) == 0
+    assert m["d"].weight is w and m["head"].weight is w
+    g = run(2 * s)
+    ref = jax.grad(by_hand, argnums=(0, 2))(w, b, w)
+    np.testing.assert_allclose(g, ref[0] + ref[1], rtol=1e-5)
+    assert int(bn.num_batches_tracked.value) == 1
