@@ -7,6 +7,8 @@ References: the eager run of the same function (a static argument read as it is 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,3 +258,51 @@ def test_a_check_in_tied_gradient_raises_its_own_error_and_puts_the_state_back(j
     ref = jax.grad(by_hand, argnums=(0, 2))(w, b, w)
     np.testing.assert_allclose(g, ref[0] + ref[1], rtol=1e-5)
     assert int(bn.num_batches_tracked.value) == 1
+
+
+# ---------------------------------------------------------------- a static callable's objects
+
+
+def _method(bn):
+    return bn.__call__
+
+
+def _partial(bn):
+    return functools.partial(lambda b, x: b(x), bn)
+
+
+def _closure(bn):
+    return lambda x: bn(x)
+
+
+@pytest.mark.parametrize("make", [_method, _partial, _closure], ids=["method", "partial", "closure"])
+def test_state_written_through_a_static_callable_is_refused_and_no_tracer_is_left(make):
+    """A bound method, a partial or a closure given as a static argument holds the caller's
+    BatchNorm: its write is refused naming the place and put back (on main: a
+    DynamicJaxprTracer left in the caller's running_mean, no error)."""
+    bn = tied.nn.BatchNorm(2)
+    mean = bn.running_mean.value
+    f = tied.jit(lambda x, fn: fn(x), static_argnums=1)
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\..*running_mean\.value: the function wrote a new"):
+        f(X, make(bn))
+    assert bn.running_mean.value is mean and int(bn.num_batches_tracked.value) == 0
+
+
+def test_a_static_bound_method_whose_object_was_changed_is_refused_not_read_stale():
+    """`model.apply` as a static argument: its object's array set between calls was silently
+    read as it was (on main: 2.0 where the eager run gives 6.0)."""
+
+    class Scale:
+        def __init__(self, w):
+            self.w = w
+
+        def apply(self, x):
+            return x * self.w
+
+    s = Scale(jnp.array(2.0))
+    f = tied.jit(lambda x, fn: fn(x), static_argnums=1)
+    assert float(f(jnp.ones(()), s.apply)) == 2.0
+    assert float(f(jnp.ones(()), s.apply)) == 2.0  # untouched: no refusal
+    s.w = jnp.array(6.0)
+    with pytest.raises(tied.GraphError, match=r"^args\[1\]\.__self__\.w: this array was replaced"):
+        f(jnp.ones(()), s.apply)
