@@ -182,7 +182,8 @@ def static_snapshot(statics: tuple, kw_static: tuple) -> tuple[list, list]:
     that holds arrays, found through unregistered objects too (``path`` is its place in
     ``(args, kwargs)``), and the arguments themselves ``(path, value)``."""
     parts = []
-    named = _through_callables([(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static])
+    named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
+    named = _through_callables(named)  # a static callable: what it holds
     holders: list = []
     for path, v in named:
         for sub, x in walkable_below(v, holders):

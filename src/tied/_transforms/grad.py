@@ -74,7 +74,9 @@ def value_and_grad(
     Args:
         fun: the function to differentiate; returns a scalar (and aux if has_aux).
         argnums: an int or a tuple of ints, as in JAX.
-        has_aux: whether ``fun`` returns ``(value, aux)``.
+        has_aux: whether ``fun`` returns ``(value, aux)``. The aux comes back as
+            `tied.jit` returns an output: tied nodes (the model, a layer) with their ties,
+            and tied's own total gradients still known as totals.
         per_location: return the per-place partial gradients instead: a distinct
             array at each place (and a distinct node at each place of a shared
             node), summing to the total over each tie group. For diagnostics:
