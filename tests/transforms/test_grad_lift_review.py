@@ -306,3 +306,21 @@ def test_a_static_bound_method_whose_object_was_changed_is_refused_not_read_stal
     s.w = jnp.array(6.0)
     with pytest.raises(tied.GraphError, match=r"^args\[1\]\.__self__\.w: this array was replaced"):
         f(jnp.ones(()), s.apply)
+
+
+@pytest.mark.parametrize("make", [_method, _closure], ids=["method", "closure"])
+def test_grad_refuses_a_layer_reached_through_an_undifferentiated_callable(make):
+    """``tied.grad(loss)(layer, layer.__call__)``: the callable runs the caller's layer, not the
+    loss's copy, so its use got no gradient (on main: 1.0 everywhere, silently, where plain
+    jax.grad gives the sum of both uses); refused naming the place, as for any object held by
+    an argument not differentiated."""
+    d = tied.nn.Dense(2, 2, key=jax.random.key(0))
+    w = d.weight
+    with pytest.raises(
+        tied.GraphError, match=r"^args\[1\]\.__(self|closure)__.*held by an argument not differentiated"
+    ):
+        tied.grad(lambda m, fn: jnp.sum(fn(X) ** 2) + jnp.sum(m.weight))(d, make(d))
+    assert d.weight is w
+    g = tied.grad(lambda m, fn: jnp.sum(fn(m)(X) ** 2) + jnp.sum(m.weight))(d, _method)  # the fix
+    ref = jax.grad(lambda w, b: jnp.sum((X @ w.T + b) ** 2) + jnp.sum(w))(w, d.bias)
+    np.testing.assert_allclose(g.weight, ref, rtol=1e-5)
