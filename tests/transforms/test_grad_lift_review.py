@@ -324,3 +324,15 @@ def test_grad_refuses_a_layer_reached_through_an_undifferentiated_callable(make)
     g = tied.grad(lambda m, fn: jnp.sum(fn(m)(X) ** 2) + jnp.sum(m.weight))(d, _method)  # the fix
     ref = jax.grad(lambda w, b: jnp.sum((X @ w.T + b) ** 2) + jnp.sum(w))(w, d.bias)
     np.testing.assert_allclose(g.weight, ref, rtol=1e-5)
+
+
+def test_remat_refuses_state_written_through_a_static_bound_method():
+    """tied.remat holds its static arguments to the same rule (on main: a jax.checkpoint tracer
+    left in the caller's running_mean, no error)."""
+    bn = tied.nn.BatchNorm(2)
+    mean = bn.running_mean.value
+    with pytest.raises(
+        tied.GraphError, match=r"^args\[1\]\.__self__\.running_mean\.value: the function wrote"
+    ):
+        tied.remat(lambda x, fn: fn(x), static_argnums=(1,))(X, bn.__call__)
+    assert bn.running_mean.value is mean and int(bn.num_batches_tracked.value) == 0
