@@ -10,14 +10,17 @@ import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX i
 
 # isort: split
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import tied
+from tied._transforms import check
 
 V, D, T, B, STAGES, MICRO = 13, 4, 3, 8, 4, 4  # V*D appears nowhere else among the shapes
 MESH = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "stage"))
@@ -160,3 +163,50 @@ def test_with_the_batch_split_over_data_the_table_gradient_is_reduced_over_data_
     got_loss, got_g = step(model, ids)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     assert_close(got_g, want_g, rtol=1e-5, atol=1e-6)
+
+
+def _peak_over(limit):
+    def fail(bad, peak):
+        if np.any(bad):
+            raise ValueError(
+                f"stage input peak {float(np.max(np.where(bad, peak, -np.inf))):.1f} over {limit}"
+            )
+
+    return fail
+
+
+def _gated(h, s, *, low=None, high=None):
+    """Stage 0 multiplies h by 10, the others by 1; the later stages check their input's peak
+    (``low``: at least; ``high``: at most), as a KV cache checks its position."""
+    peak = jnp.max(jnp.abs(h))
+    if low is not None:
+        check(s["late"] & (jnp.min(jnp.abs(h)) < low), _peak_over(-low), peak)
+    if high is not None:
+        check(s["late"] & (peak > high), _peak_over(high), peak)
+    return h * s["g"]
+
+
+GATED = tied.stack(
+    [{"g": jnp.array(10.0 if i == 0 else 1.0), "late": jnp.array(i > 0)} for i in range(STAGES)]
+)
+
+
+def test_a_check_in_a_stage_never_fires_on_a_bubble_and_a_real_failure_raises_its_own_error():
+    """A bubble runs a stage on a value no stage gave it (the first microbatch's raw input, 1.0):
+    a check that holds in the sequential scan (the later stages' input is at least 5.0) passed
+    there and must pass here; before, it fired on the bubble, its host callback raised on one
+    device and the others hung in the collective until XLA aborted the process. A check that
+    fails on a real microbatch raises the check's own error, eagerly and under tied.jit."""
+    h = jnp.ones((B, 2))
+    low = functools.partial(_gated, low=5.0)
+    want = tied.scan(lambda h, s, _: (low(h, s), None), h, GATED)[0]
+    got = tied.pipeline(low, h, GATED, mesh=MESH, axis="stage", microbatches=MICRO)
+    np.testing.assert_allclose(got, want)
+    h = h.at[5].set(3.0)  # in microbatch 2 of 4: its peak is 30.0 after stage 0
+    high = functools.partial(_gated, high=25.0)
+    with pytest.raises(ValueError, match=r"^stage input peak 30\.0 over 25\.0$"):
+        tied.scan(lambda h, s, _: (high(h, s), None), h, GATED)
+    pipe = functools.partial(tied.pipeline, high, mesh=MESH, axis="stage", microbatches=MICRO)
+    for run in (pipe, tied.jit(pipe)):
+        with pytest.raises(ValueError, match=r"^stage input peak 30\.0 over 25\.0$"):
+            jax.block_until_ready(run(h, GATED))

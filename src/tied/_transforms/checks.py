@@ -12,8 +12,8 @@ which JAX would clamp onto its last rows: a wrong answer that raises nothing) ca
   decode 4.5x the hand-written one: every call went through Python dispatch).
 * In a `tied.scan`, `tied.vmap` or `tied.remat` body: carried out as one flag per step or
   example, and checked around it (under `tied.jit`, after the call; eagerly, when it returns).
-* On the parameters' tracers in a `tied.grad` loss: carried out beside the aux, and checked
-  when the gradient returns (under `tied.jit`, after its call).
+* On the parameters' tracers in a `tied.grad` loss or a `tied.gradient` function: carried out
+  beside the aux, and checked when the gradient returns (under `tied.jit`, after its call).
 * A check is carried out by the innermost of those whose trace made its values, the others of
   traces around it (a cache's position, of `tied.jit`'s trace, checked in a `tied.grad` loss
   under it is `tied.jit`'s; with the loss's value as an operand, the gradient's).

@@ -20,7 +20,9 @@ only, and is imported by `grad`, `jit`, `lift`, `lifted`, `checks` and `implicit
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import types
 from typing import Any
 
 import jax
@@ -181,6 +183,7 @@ def static_snapshot(statics: tuple, kw_static: tuple) -> tuple[list, list]:
     ``(args, kwargs)``), and the arguments themselves ``(path, value)``."""
     parts = []
     named = [(f"[0][{i}]", v) for i, v in statics] + [(f"[1][{k!r}]", v) for k, v in kw_static]
+    named = _through_callables(named)  # a static callable: what it holds
     holders: list = []
     for path, v in named:
         for sub, x in walkable_below(v, holders):
@@ -192,6 +195,43 @@ def static_snapshot(statics: tuple, kw_static: tuple) -> tuple[list, list]:
                 parts.append((path + sub, x, leaves, gdef))
     fields = [(h, dict(h.__dict__)) for h in holders if isinstance(getattr(h, "__dict__", None), dict)]
     return parts, named, fields
+
+
+def _through_callables(named: list) -> list:
+    """``named`` with each static callable replaced by what it holds: a bound method's object,
+    a ``functools.partial``'s function and arguments, a function's closure cells and defaults
+    (the compiled function reads them as constants, and may write into them, as into any
+    static argument). Iterative and identity-memoised, so a function that refers to itself ends."""
+    out: list = []
+    seen: dict[int, Any] = {}  # id -> object, held so that ids stay unique
+    stack = list(reversed(named))
+    while stack:
+        path, v = stack.pop()
+        held = _held_by_callable(v)
+        if held is None:
+            out.append((path, v))
+        elif id(v) not in seen:
+            seen[id(v)] = v
+            stack.extend(reversed([(path + p, x) for p, x in held]))
+    return out
+
+
+def _held_by_callable(v: Any) -> list | None:
+    """What a bound method, a partial or a Python function holds, with paths; None for
+    anything else."""
+    if isinstance(v, types.MethodType):
+        return [(".__self__", v.__self__), (".__func__", v.__func__)]
+    if isinstance(v, functools.partial):
+        return [(".func", v.func), (".args", v.args), (".keywords", v.keywords)]
+    if isinstance(v, types.FunctionType):
+        held = [(".__defaults__", v.__defaults__ or ()), (".__kwdefaults__", v.__kwdefaults__ or {})]
+        for i, cell in enumerate(v.__closure__ or ()):
+            try:
+                held.append((f".__closure__[{i}].cell_contents", cell.cell_contents))
+            except ValueError:  # an empty cell (a name not yet bound)
+                pass
+        return held
+    return None
 
 
 def refuse_static_ties(

@@ -23,7 +23,7 @@ from .._core import (
     where,
 )
 from .escapes import refuse_static_ties, static_snapshot
-from .lift import Learnt, call_on_copy, finish, read_writes, refusing_drops
+from .lift import Learnt, call_on_copy, finish, learn_output, output_of, read_writes, refusing_drops
 from .totals import is_total, mark_total
 
 __all__ = ["grad", "value_and_grad", "accumulate", "is_param", "trainable_mask"]
@@ -74,7 +74,9 @@ def value_and_grad(
     Args:
         fun: the function to differentiate; returns a scalar (and aux if has_aux).
         argnums: an int or a tuple of ints, as in JAX.
-        has_aux: whether ``fun`` returns ``(value, aux)``.
+        has_aux: whether ``fun`` returns ``(value, aux)``. The aux comes back as
+            `tied.jit` returns an output: tied nodes (the model, a layer) with their ties,
+            and tied's own total gradients still known as totals.
         per_location: return the per-place partial gradients instead: a distinct
             array at each place (and a distinct node at each place of a shared
             node), summing to the total over each tie group. For diagnostics:
@@ -156,14 +158,18 @@ def _differentiate(fun, argnums, has_aux, per_location, trainable, name: str) ->
                 what="the loss",
                 refusal={"out_of": "the gradient computation", "advice": _ADVICE},
             )
-            learnt = Learnt(tuple(written), tuple(checks.checks))  # as static data
             value, aux = out if has_aux else (out, None)
-            return value, (aux, [now[i] for i in written], checks.values, learnt)
+            # the aux as tied.jit carries its output: its unique arrays through JAX, its
+            # structure (ties, tied nodes, which arrays are totals) as static data
+            aux_leaves, aux_gdef, aux_totals = learn_output(aux) if has_aux else ([], None, ())
+            learnt = Learnt(tuple(written), tuple(checks.checks), aux_gdef, aux_totals)  # as static data
+            return value, (aux_leaves, [now[i] for i in written], checks.values, learnt)
 
         f = refusing_drops(run, structure, "tied.grad", _kept, where)
         (value, (aux, new_values, checked, learnt)), dparams = jax.value_and_grad(f, has_aux=True)(
             [inputs[i] for i in diff]
         )
+        aux = output_of(learnt.out, aux, learnt.totals) if has_aux else None
         written = learnt.written
         if per_location and written:
             written, new_values = _one_per_state(gdef, place_leaf, written, new_values)
@@ -224,12 +230,8 @@ def _refuse_shared_others(args: tuple, kwargs: dict, nums: tuple, single: bool, 
 
 def _kept(result: tuple) -> tuple:
     """What the loss's trace keeps (`refusing_drops`): its output and, last, the new values."""
-    values, learnt = result[1][1], result[1][3]
-    try:
-        arrays = flatten(result)[0] + list(values)
-    except GraphError:
-        arrays = list(values)
-    return list(learnt.written), arrays
+    aux, values, checked, learnt = result[1]
+    return list(learnt.written), [result[0], *aux, *checked, *values]
 
 
 def _one_per_state(gdef: GraphDef, place_leaf: tuple, written: tuple, values: list) -> tuple[list, list]:

@@ -37,6 +37,7 @@ from .._core import (
     trainable_mask,
     write,
 )
+from .checks import check_scope, run_checks
 from .escapes import escaping_tracer
 from .grad import _gradient_tree
 from .lift import Learnt
@@ -384,7 +385,9 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
             for i, v in zip(train, values):
                 expected[i] = v
             check_written(model, gdef, expected, where, why=_NOT_SEEN)
-            out = fun()
+            with check_scope(values) as checks:  # checks on the parameters' tracers: carried out
+                out = fun()
+            made = tuple(checks.checks)
             now_leaves, now = flatten(model)
             if now == gdef:
                 new = [q for q, (a, b) in enumerate(zip(now_leaves, expected)) if a is not b]
@@ -392,13 +395,14 @@ def gradient(fun: Callable[[], Any], params: Params) -> Grads:
                     # State written during the call (stop-gradiented by tied.State): its value
                     # leaves the trace as aux data, where it was as static data (never through
                     # a list this function closes over), and is written back concretely after.
-                    return out, ([now_leaves[q] for q in new], Learnt(tuple(new)))
+                    return out, ([now_leaves[q] for q in new], checks.values, Learnt(tuple(new), made))
             _check_after(model, gdef, expected, where, values)
-            return out, ([], Learnt())
+            return out, ([], checks.values, Learnt((), made))
 
         done = False
         try:
-            grads, (new_state, learnt) = jax.grad(f, has_aux=True)(originals)
+            grads, (new_state, checked, learnt) = jax.grad(f, has_aux=True)(originals)
+            run_checks(learnt.checks, list(checked))  # a failed one: the state is put back
             done = True
         finally:
             _restore(where, originals)

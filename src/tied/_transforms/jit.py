@@ -291,7 +291,9 @@ def returns_copy(out_gdef: GraphDef, out: Any, arg: Any) -> bool:
 # ---------------------------------------------------------------- the traced function
 
 
-def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse, given):
+def _trace_body(
+    fun, gdef, statics, kw_static, donate_nums, donate_names, out_shardings_fn, inverse, given, traced_statics
+):
     """The function `jax.jit` traces for one input structure: rebuild the arguments, run
     ``fun``, and return its output's unique arrays plus the new values ``fun`` put at
     existing places of its arguments (written back by the caller)."""
@@ -307,6 +309,9 @@ def _trace_body(fun, gdef, statics, kw_static, donate_nums, donate_names, out_sh
         both = list(donated_leaves) + list(kept_leaves)
         leaves = [both[p] for p in inverse]
         held = static_snapshot(statics, kw_static)  # the caller's own objects: never written
+        if traced_statics() is not None:  # JAX traces again (a weak type, a new placement):
+            # the statics it reads are the first call's objects, which may have changed since
+            refuse_new_static_arrays(traced_statics(), held[0], "tied.jit")
         # checks' values are read after the call (a cache's position)
         copy, out, checks = call_on_copy(gdef, leaves, call, both)
         dyn_args, dyn_kwargs = copy.value
@@ -485,13 +490,7 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         root, leaves, gdef, entry, (key, fresh) = self._prepare(args, kwargs)
-        if key[1] != ((), ()):  # one object in a static and a traced argument would be two inside
-            held = static_snapshot(*key[1])
-            refuse_static_ties(held, root, gdef, "tied.jit")
-            with self._lock:  # the arrays the statics held when this version was traced
-                if entry.statics is None:
-                    entry.statics = held[0]
-            refuse_new_static_arrays(entry.statics, held[0], "tied.jit")
+        self._check_statics(key, root, gdef, entry)
         watch = explain.enabled()  # JAX_EXPLAIN_CACHE_MISSES: say why a call compiled
         size = entry.fn._cache_size() if watch else 0
         try:
@@ -531,13 +530,26 @@ class Jitted:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """Lower for these arguments, as ``jax.jit(f).lower``: JAX's ``Lowered`` (read its
         HLO with ``.as_text()``, compile it, ask ``.cost_analysis()``)."""
-        _, leaves, _, entry, _ = self._prepare(args, kwargs)
+        root, leaves, gdef, entry, (key, _) = self._prepare(args, kwargs)
+        self._check_statics(key, root, gdef, entry)  # JAX keeps this trace for later calls
         return entry.fn.lower(*self._inputs(entry, leaves))
+
+    def _check_statics(self, key: tuple, root: Any, gdef: GraphDef, entry: _Compiled) -> None:
+        """Before a call or a lowering: refuse a static argument that holds a node the traced
+        ones hold too, or other arrays than the call that made this version (``entry.statics``,
+        compared again whenever JAX traces the version anew)."""
+        if key[1] == ((), ()):
+            return
+        held = static_snapshot(*key[1])  # one object in a static and a traced argument: two inside
+        refuse_static_ties(held, root, gdef, "tied.jit")
+        refuse_new_static_arrays(entry.statics, held[0], "tied.jit")
 
     # ------------------------------------------------ compiling
     def _compile(self, key, gdef: GraphDef, leaves: list, n_args: int, kw_order: tuple, given) -> _Compiled:
         entry = _Compiled()
-        entry.statics = None
+        # the arrays the statics hold now, which the body's trace reads (as constants): taken
+        # here, by the call that made the entry, so that no other call's statics are recorded
+        entry.statics = static_snapshot(*key[1])[0] if key[1] != ((), ()) else None
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
         statics, kw_static = key[1]
@@ -570,6 +582,7 @@ class Jitted:
             constrain,
             inverse,
             given,
+            lambda: entry.statics,
         )
         entry.fn = jax.jit(
             body, donate_argnums=(0,) if entry.donated else (), **shardings, **self._jax_kwargs

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .._core import rebuild
+from .checks import check, check_scope
 from .stack import Stack, layout
 
 __all__ = ["pipeline"]
@@ -73,11 +74,13 @@ def _checked(init: Any, stages: Any, mesh: Any, axis: Any, microbatches: Any) ->
     return xs, b
 
 
-def _keeps_h(f: Callable, gdef: Any, s_idx: list, b_idx: list, leaves: list, tree: Any, cut: list) -> None:
+def _keeps_h(f: Callable, gdef: Any, s_idx: list, b_idx: list, leaves: list, tree: Any, cut: list) -> tuple:
     """Refuse, before anything runs, a stage whose output is not of ``h``'s structure, shapes
     and dtypes (abstractly, on one stage and one microbatch): each stage's output is the next
-    stage's input, as a scan's carry."""
+    stage's input, as a scan's carry. Returns the checks a stage makes (`checks.check`):
+    ``((fail, number of operands), ...)`` and the shapes of their flags and operands."""
     shape = jax.ShapeDtypeStruct
+    made: list = []
 
     def one(s_leaves: list, b_leaves: list, mb: list) -> Any:
         full: list = [None] * gdef.num_leaves
@@ -85,7 +88,10 @@ def _keeps_h(f: Callable, gdef: Any, s_idx: list, b_idx: list, leaves: list, tre
             full[q] = x
         for q, x in zip(b_idx, b_leaves):
             full[q] = x
-        return f(jax.tree_util.tree_unflatten(tree, mb), rebuild(gdef, full))
+        with check_scope([*s_leaves, *b_leaves, *mb]) as scope:
+            out = f(jax.tree_util.tree_unflatten(tree, mb), rebuild(gdef, full))
+        made.append((tuple(scope.checks), [shape(jnp.shape(v), jnp.result_type(v)) for v in scope.values]))
+        return out
 
     mb = [shape(jnp.shape(x)[1:], x.dtype) for x in cut]
     out = jax.eval_shape(
@@ -108,6 +114,34 @@ def _keeps_h(f: Callable, gdef: Any, s_idx: list, b_idx: list, leaves: list, tre
                 "is the next stage's h, so f must keep h's structure, shapes and dtypes (cast or reshape "
                 "back inside f)."
             )
+    return made[0]
+
+
+def _record_checks(scope: Any, learnt: tuple, records: list, real: Any) -> list:
+    """The checks one tick's stage made (``scope``), kept where the tick is a real one for this
+    device (``real``: not a bubble, whose stage runs on a value no stage gave it), each check's
+    first failing flag and operands in ``records``."""
+    if len(scope.checks) != len(learnt[0]):
+        raise ValueError(
+            f"tied.pipeline: f made {len(scope.checks)} checks in a stage where it made "
+            f"{len(learnt[0])} when traced first: a stage's checks must not depend on Python state."
+        )
+    out, at = [], 0
+    for _, n in learnt[0]:
+        new, old = scope.values[at : at + 1 + n], records[at : at + 1 + n]
+        hit = real & jnp.any(new[0]) & ~jnp.any(old[0])
+        out += [jnp.where(hit, jnp.asarray(v, o.dtype), o) for v, o in zip(new, old)]
+        at += 1 + n
+    return out
+
+
+def _raise_checks(learnt: tuple, records: list) -> None:
+    """The stages' checks after the pipeline (one flag and operands per device: its first
+    failing tick's), made again where the pipeline was called (`checks.check`)."""
+    at = 0
+    for fail, n in learnt[0]:
+        check(records[at], fail, *records[at + 1 : at + 1 + n])
+        at += 1 + n
 
 
 def pipeline(
@@ -131,6 +165,9 @@ def pipeline(
             `tied.Stack` of layers run with `tied.scan`); ``h`` keeps its structure, shapes and
             dtypes (checked abstractly before anything runs).
             It may not write state (a BatchNorm's statistics): such stages are refused.
+            A run-time check it makes (a cache's position) is carried out of the pipeline
+            and raised after it, for the real microbatches only (a device waiting in the
+            bubble runs its stage on a value no stage gave it, and its checks are dropped).
         init: a pytree of arrays whose leading axis is the batch.
         stages: a `tied.Stack` of ``mesh.shape[axis]`` stages.
         mesh: the device mesh.
@@ -185,10 +222,12 @@ def pipeline(
         forward = [(i, i + 1) for i in range(n - 1)]
 
         def tick(c: tuple, t: Any) -> tuple:
-            held, outs = c
+            held, outs, records = c
             first = [jax.lax.dynamic_index_in_dim(x, jnp.minimum(t, m - 1), keepdims=False) for x in mbs]
             h = [jnp.where(me == 0, a, h) for a, h in zip(first, held)]
-            y = jax.tree_util.tree_leaves(f(jax.tree_util.tree_unflatten(tree, h), stage))
+            with check_scope(h) as scope:
+                y = jax.tree_util.tree_leaves(f(jax.tree_util.tree_unflatten(tree, h), stage))
+            records = _record_checks(scope, learnt, records, (t >= me) & (t < me + m))
             k = t - (n - 1)  # the microbatch the last stage finishes at this tick
             done = (me == n - 1) & (k >= 0)
             outs = [
@@ -198,17 +237,21 @@ def pipeline(
                 for o, v in zip(outs, y)
             ]
             held = [jax.lax.ppermute(v, axis, forward) for v in y]
-            return (held, outs), None
+            return (held, outs, records), None
 
         # A device waiting in the bubble still runs its stage, on the first microbatch, not on
         # zeros: its output is dropped, but a stage undefined at zero (x / |x|) would give NaN
         # gradients through the dropped branch (0 * inf) where the sequential scan has none.
-        start = jax.lax.pcast(([x[0] for x in mbs], [jnp.zeros_like(x) for x in mbs]), (axis,), to="varying")
-        (_, outs), _ = jax.lax.scan(tick, start, jnp.arange(m + n - 1))
+        records = [jnp.zeros(r.shape, r.dtype) for r in learnt[1]]  # the checks' first failures
+        start = jax.lax.pcast(
+            ([x[0] for x in mbs], [jnp.zeros_like(x) for x in mbs], records), (axis,), to="varying"
+        )
+        (_, outs, records), _ = jax.lax.scan(tick, start, jnp.arange(m + n - 1))
         # The outputs sit on the last stage's device: every other device adds its zeros.
-        return [jax.lax.psum(jnp.where(me == n - 1, o, jnp.zeros_like(o)), axis) for o in outs]
+        outs = [jax.lax.psum(jnp.where(me == n - 1, o, jnp.zeros_like(o)), axis) for o in outs]
+        return outs + [r[None] for r in records]  # one record per device
 
-    _keeps_h(f, gdef, s_idx, b_idx, leaves, tree, cut)
+    learnt = _keeps_h(f, gdef, s_idx, b_idx, leaves, tree, cut)
     run = jax.shard_map(
         local,
         mesh=mesh,
@@ -217,8 +260,10 @@ def pipeline(
             [PartitionSpec()] * len(b_idx),
             [PartitionSpec()] * len(cut),
         ),
-        out_specs=[PartitionSpec()] * len(cut),
+        out_specs=[PartitionSpec()] * len(cut) + [PartitionSpec(axis)] * len(learnt[1]),
         axis_names=frozenset({axis}),
     )
     outs = run([leaves[q] for q in s_idx], [leaves[q] for q in b_idx], cut)
+    outs, records = outs[: len(cut)], outs[len(cut) :]
+    _raise_checks(learnt, records)
     return jax.tree_util.tree_unflatten(tree, [jnp.reshape(o, (b, *jnp.shape(o)[2:])) for o in outs])
