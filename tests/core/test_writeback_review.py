@@ -19,6 +19,7 @@ users run: the compiled route alone from the third call).
 """
 
 import collections
+import contextlib
 import copy
 import gc
 
@@ -30,7 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tied
+from tied._core import graph as _graph
 from tied._core import writeback as _writeback
+from tied._core.plans import compile as _plan
 from tied._core.plans import loops as _loops
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -124,11 +127,17 @@ def same(got, want, label):
     if ga != gb:
         raise AssertionError(f"{label}: {_writeback.first_difference(gb, ga)}")
     for x, y, paths in zip(la, lb, ga.leaf_paths(), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=f"{label} {paths}")
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=f"{label} {paths}"
+        )
 
 
 flagsets = st.frozensets(st.sampled_from(FLAGS), min_size=1).map(lambda s: tuple(sorted(s)))
-changes = st.tuples(st.sampled_from(["swap", "move", "rebuilt", "tuple", "cell", "dict"]), st.integers(0, 99), st.integers(0, 99))
+changes = st.tuples(
+    st.sampled_from(["swap", "move", "rebuilt", "tuple", "cell", "dict"]),
+    st.integers(0, 99),
+    st.integers(0, 99),
+)
 
 
 @st.composite
@@ -146,14 +155,33 @@ def specs(draw):
     return ncells, blocks, dups, order, pad, tuple_at, between
 
 
-@pytest.mark.parametrize("check", [True, False])
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-@given(spec=specs())
-def test_random_graphs_of_blocks_are_written_as_eagerly(check, spec):
-    saved = _writeback.CHECK_PLANS
+@contextlib.contextmanager
+def route(check, alone):
+    """``TIED_CHECK_PLANS`` as ``check``; with ``alone``, no structure gets a flatten plan (the
+    compiled writes alone, `compile_writes`, after the walk's re-check)."""
+    mods = (_graph, _plan)
+    saved = _writeback.CHECK_PLANS, [(m.MAX_PLAN_LINES, m.LARGE_PLAN_SIGHTINGS) for m in mods]
     _writeback.CHECK_PLANS = check
+    if alone:
+        for m in mods:
+            m.MAX_PLAN_LINES, m.LARGE_PLAN_SIGHTINGS = 50, 10_000
     try:
+        yield
+    finally:
+        _writeback.CHECK_PLANS = saved[0]
+        for m, (lines, sightings) in zip(mods, saved[1]):
+            m.MAX_PLAN_LINES, m.LARGE_PLAN_SIGHTINGS = lines, sightings
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["plan", "alone"])
+@pytest.mark.parametrize("check", [True, False])
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=specs())
+def test_random_graphs_of_blocks_are_written_as_eagerly(check, alone, spec):
+    with route(check, alone):
         m = build(spec)
+        if alone:  # a structure of its own: never one a plan was made for
+            m["route"] = "alone"
         ref = copy.deepcopy(m)
         step = tied.jit(run)
         for k, between in enumerate([None, *spec[-1]]):
@@ -167,8 +195,6 @@ def test_random_graphs_of_blocks_are_written_as_eagerly(check, spec):
                 for j in range(i):
                     assert (bl[i] is bl[j]) == (rb[i] is rb[j])
                     assert (bl[i].cell is bl[j].cell) == (rb[i].cell is rb[j].cell)
-    finally:
-        _writeback.CHECK_PLANS = saved
 
 
 def test_a_loop_of_blocks_is_read_by_a_loop_and_written_by_the_compiled_route(monkeypatch):
@@ -251,19 +277,14 @@ def _during(m, what):
         b.flags = tuple(b.flags)[::-1]
 
 
-@pytest.mark.parametrize("warm", [0, 3], ids=["slots", "compiled"])
-@pytest.mark.parametrize("check", [True, False])
-@pytest.mark.parametrize("what", ["tuple", "dict", "static"])
-def test_a_looped_block_changed_during_the_call_is_refused_with_nothing_written(monkeypatch, warm, check, what):
-    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
-    tag = ("pair", "cd", "own", f"t-{what}-{check}-{warm}")  # a structure of its own per case
-    m = build((1, [(tag, 0)] * 16, [], (0, 1, 2), 40, None, None))
-    armed = {"on": False}
+def changing_step(m, armed, change, warm):
+    """`tied.jit` of `run` with a host callback that calls ``change()`` once ``armed["on"]``
+    is set (while the call runs), after ``warm`` calls of it on ``m``."""
 
     def callback(_):
         if armed["on"]:
             armed["on"] = False
-            _during(m, what)
+            change()
 
     def f(m, x):
         y = run(m, x)
@@ -273,6 +294,20 @@ def test_a_looped_block_changed_during_the_call_is_refused_with_nothing_written(
     step = tied.jit(f)
     for _ in range(warm):
         step(m, X)
+    return step
+
+
+@pytest.mark.parametrize("warm", [0, 3], ids=["slots", "compiled"])
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("what", ["tuple", "dict", "static"])
+def test_a_looped_block_changed_during_the_call_is_refused_with_nothing_written(
+    monkeypatch, warm, check, what
+):
+    monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
+    tag = ("pair", "cd", "own", f"t-{what}-{check}-{warm}")  # a structure of its own per case
+    m = build((1, [(tag, 0)] * 16, [], (0, 1, 2), 40, None, None))
+    armed = {"on": False}
+    step = changing_step(m, armed, lambda: _during(m, what), warm)
     before = [(b.pair, b.cd.value, b.own.value) for b in m["blocks"]]
     armed["on"] = True
     with pytest.raises(tied.ModelChangedError, match="while the call ran"):
@@ -283,3 +318,74 @@ def test_a_looped_block_changed_during_the_call_is_refused_with_nothing_written(
         if k != 9:
             assert b.pair is pair and b.cd.value is cd
     np.testing.assert_allclose(m["blocks"][9].pair[0], np.full(2, 9.0 + warm))
+
+
+def _change_during(m, what, i, j):
+    """A change of an array or of the structure, made while the call runs; False where this
+    graph has nothing to change that way."""
+    bl = m["blocks"]
+    i, j = i % len(bl), j % len(bl)
+    b = bl[i]
+    if what == "swap":
+        if bl[i] is bl[j]:
+            return False
+        bl[i], bl[j] = bl[j], bl[i]
+    elif what == "tuple":
+        b.pair = (b.pair[0], jnp.array(b.pair[1]))
+    elif what == "namedtuple":
+        b.np = Pair(jnp.array(b.np.a), b.np.b)
+    elif what == "cell":
+        b.own.value = jnp.array(b.own.value)
+    elif what == "cell tuple":
+        b.cv.value = (b.cv.value[0], jnp.array(b.cv.value[1]))
+    elif what == "cell dict":
+        d = b.cd.value
+        b.cd.value = {"z": d["z"], "a": [d["a"][0], jnp.array(d["a"][1])]}
+    elif what == "static":
+        b.flags = (*b.flags, "none")
+    elif what == "tie cut":
+        b.cell = tied.State(b.cell.value)
+    elif what == "tie made":
+        if b.cell is bl[j].cell:
+            return False
+        b.cell = bl[j].cell
+    return True
+
+
+@pytest.mark.parametrize("check", [True, False])
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    spec=specs(),
+    what=st.sampled_from(
+        ["swap", "tuple", "namedtuple", "cell", "cell tuple", "cell dict", "static", "tie cut", "tie made"]
+    ),
+    i=st.integers(0, 99),
+    j=st.integers(0, 99),
+    warm=st.sampled_from([0, 1, 3]),
+)
+def test_random_graphs_changed_during_the_call_are_refused_with_nothing_written(
+    check, spec, what, i, j, warm
+):
+    with route(check, alone=False):
+        m = build(spec)
+        armed = {"on": False}
+
+        def change_it():
+            armed["changed"] = _change_during(m, what, i, j)
+            armed["after"] = tied.flatten(m)  # the model as the change left it
+
+        step = changing_step(m, armed, change_it, warm)
+        armed["on"] = True
+        try:
+            step(m, X)
+            jax.effects_barrier()
+        except tied.ModelChangedError:
+            refused = True
+        else:
+            refused = False
+        if not armed["changed"]:
+            return
+        assert refused, "a model changed while the call ran was written into"
+        leaves, gdef = tied.flatten(m)
+        assert gdef == armed["after"][1]
+        assert all(a is b for a, b in zip(leaves, armed["after"][0], strict=True)), "something was written"
