@@ -521,3 +521,29 @@ def test_tying_two_cells_values_is_refused_tying_the_cells_is_one_state():
     assert tied_model["a"] is tied_model["b"]
     tied.jit(lambda m: bump(m["a"]))(tied_model)
     np.testing.assert_array_equal(tied_model["b"].value, np.ones(2))  # zeros + 1, one state
+
+
+@pytest.mark.parametrize("route", ["eager", "jit"])
+def test_a_part_of_a_cells_value_kept_as_it_was_stays_the_very_array(route):
+    # under tied.jit the untouched part came back as a copy (stop_gradient made a new tracer,
+    # so it counted as written): another cell holding that array no longer held the same one
+    s = jnp.arange(2.0)
+    m = {"a": tied.State((jnp.zeros(2), s)), "b": tied.State(s)}
+
+    def f(m, x):
+        v, kept = m["a"].value
+        m["a"].value = (v + x, kept)
+        return x.sum()
+
+    (f if route == "eager" else tied.jit(f))(m, jnp.ones(2))
+    assert m["a"].value[1] is s and m["b"].value is s
+    np.testing.assert_array_equal(m["a"].value[0], np.ones(2))
+    # a state value stays out of gradients, kept part or new part
+    c = tied.State(jnp.ones(2))
+
+    def g(w):
+        c.value = c.value * w
+        c.value = c.value
+        return c.value.sum()
+
+    np.testing.assert_array_equal(jax.grad(g)(jnp.ones(2)), np.zeros(2))

@@ -88,6 +88,7 @@ def _check_value(new: Any, old: Any) -> Any:
                 f"tied.State holds arrays, got {type(x).__name__} ({x!r}). Wrap a number as an "
                 f"array so it can change under jit: tied.State(jnp.asarray({x!r}))."
             )
+    old_leaves: list = []
     if old is not None:
         old_leaves, old_def = jax.tree_util.tree_flatten(old)
         if old_def != tdef:
@@ -103,8 +104,11 @@ def _check_value(new: Any, old: Any) -> Any:
                     "shape and dtype (so a compiled step never retraces). Cast or reshape the new "
                     "value, or make a new tied.State."
                 )
+    # a leaf kept as it was stays the very object (stop-gradiented when it was stored): a call
+    # that rewrites one part of a cell's value does not make the others new arrays
+    kept = [a is x for a, x in zip(old_leaves, leaves)] if old_leaves else [False] * len(leaves)
     return jax.tree_util.tree_unflatten(
-        tdef, [jax.lax.stop_gradient(x) if _inexact(x) else x for x in leaves]
+        tdef, [x if k or not _inexact(x) else jax.lax.stop_gradient(x) for k, x in zip(kept, leaves)]
     )
 
 
