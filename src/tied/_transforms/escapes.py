@@ -26,6 +26,7 @@ import types
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._core import (
     GraphDef,
@@ -51,6 +52,7 @@ __all__ = [
     "own_copy",
     "refuse_dropped",
     "refuse_new_static_arrays",
+    "static_record",
     "refuse_static_ties",
     "refuse_static_writes",
     "static_snapshot",
@@ -269,15 +271,26 @@ def refuse_static_ties(
             )
 
 
-def refuse_new_static_arrays(traced: list, now: list, who: str = "tied.jit") -> None:
+def static_record(parts: list) -> list:
+    """What `refuse_new_static_arrays` compares later calls with: the graphs `static_snapshot`
+    found in the static arguments (``parts``), each with a copy of its numpy arrays' values
+    (a numpy array can be changed in place, keeping its identity)."""
+    return [
+        (path, x, leaves, gdef, {q: a.copy() for q, a in enumerate(leaves) if isinstance(a, np.ndarray)})
+        for path, x, leaves, gdef in parts
+    ]
+
+
+def refuse_new_static_arrays(traced: list | None, now: list, who: str = "tied.jit") -> None:
     """Refuse a call whose static arguments hold other arrays than when the function was
-    traced (``traced`` and ``now``: the graphs `static_snapshot` found in them, ``(path,
-    object, arrays, GraphDef)``). A static argument is a constant of the compiled function:
-    a state cell set between two calls, or an equal argument holding other arrays, would be
-    silently read as it was. ``traced`` holds the arrays it names, so an id is never reused."""
-    if traced is now:
+    traced (``traced``: `static_record` of that call's; ``now``: the graphs `static_snapshot`
+    finds in this call's, ``(path, object, arrays, GraphDef)``), or a numpy array there whose
+    values changed in place. A static argument is a constant of the compiled function: a state
+    cell set between two calls, or an equal argument holding other arrays, would be silently
+    read as it was. ``traced`` holds the arrays it names, so an id is never reused."""
+    if traced is None:
         return
-    was = {path: (leaves, gdef) for path, _, leaves, gdef in traced}
+    was = {path: (leaves, gdef, copies) for path, _, leaves, gdef, copies in traced}
     for path, _, leaves, gdef in now:
         old = was.pop(path, None)
         if old is None:
@@ -288,6 +301,11 @@ def refuse_new_static_arrays(traced: list, now: list, who: str = "tied.jit") -> 
         for q, (a, b) in enumerate(zip(old[0], leaves)):
             if a is not b:
                 raise _new_static(who, "this array was replaced", path + gdef.leaf_paths()[q][0])
+        for q, values in old[2].items():
+            if not np.array_equal(values, leaves[q], equal_nan=values.dtype.kind in "fc"):
+                raise _new_static(
+                    who, "this numpy array was changed in place", path + gdef.leaf_paths()[q][0]
+                )
     if was:
         raise _new_static(who, "this static argument no longer holds its arrays here", next(iter(was)))
 

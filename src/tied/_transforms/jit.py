@@ -28,6 +28,7 @@ from .escapes import (
     refuse_new_static_arrays,
     refuse_static_ties,
     refuse_static_writes,
+    static_record,
     static_snapshot,
 )
 from .lift import call_on_copy, learn_output, output_of, read_writes, refusing_drops
@@ -549,7 +550,7 @@ class Jitted:
         entry = _Compiled()
         # the arrays the statics hold now, which the body's trace reads (as constants): taken
         # here, by the call that made the entry, so that no other call's statics are recorded
-        entry.statics = static_snapshot(*key[1])[0] if key[1] != ((), ()) else None
+        entry.statics = static_record(static_snapshot(*key[1])[0]) if key[1] != ((), ()) else None
         entry.donated, entry.kept = donation(gdef, n_args, kw_order, self._donate_nums, self._donate_names)
         entry.cells = any(gdef.state_leaves())  # two cells may hold one array: donate it once
         statics, kw_static = key[1]
