@@ -5,8 +5,8 @@ and writing into live objects. See README.md beside this file.
 
 from .classify import register, register_state, walkable_below
 from .errors import Located, ModelChangedError, where
-from .graph import flatten, flatten_with, is_state, live_lock, plan_cache, rebuild, ties, unflatten
-from .graphdef import GraphDef, StateClash
+from .graph import flatten, is_state, live_lock, plan_cache, rebuild, ties, unflatten
+from .graphdef import GraphDef
 from .kinds import GraphError
 from .live import check_written, slots, write
 from .params import Trainable, is_param, trainable_mask
@@ -27,7 +27,6 @@ __all__ = [
     "Places",
     "Rng",
     "State",
-    "StateClash",
     "Trainable",
     "View",
     "at_or_below",
@@ -36,7 +35,6 @@ __all__ = [
     "covered",
     "first_difference",
     "flatten",
-    "flatten_with",
     "fn_name",
     "get",
     "is_array",

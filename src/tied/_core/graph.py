@@ -26,6 +26,7 @@ import gc
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from . import classify
@@ -132,6 +133,16 @@ class PlanCache(dict):
 
     __hash__ = object.__hash__  # by identity, to live in a WeakSet
     __eq__ = object.__eq__
+
+    def flatten(self, tree: Any, name: Callable[[str], str] | None = None) -> tuple[list, GraphDef]:
+        """`flatten`, trying this cache's plans first; a `StateClash` shows its places through
+        ``name`` (`tied.jit`: ``args[0]['w']``)."""
+        try:
+            return flatten_with(tree, self)
+        except StateClash as e:
+            if name is None:
+                raise
+            raise e.named(name) from None
 
 
 _plan_caches: weakref.WeakSet = weakref.WeakSet()  # cleared when a class is registered

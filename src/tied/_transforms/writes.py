@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._core import GraphDef, GraphError, StateClash, first_difference, flatten, flatten_with, where
+from .._core import GraphDef, GraphError, first_difference, plan_cache, where
 
 __all__ = ["flatten_arguments", "place_name", "structure_error"]
 
@@ -54,9 +54,10 @@ def place_name(path: str) -> str:
 
 
 def flatten_arguments(root: Any, cache: Any = None) -> tuple[list, GraphDef]:
-    """`flatten` of a call's ``(args, kwargs)`` (with the plans of ``cache``), a `StateClash`
-    naming its places as the arguments (``args[0]['w']``), as `tied.grad` names the model's."""
-    try:
-        return flatten(root) if cache is None else flatten_with(root, cache)
-    except StateClash as e:
-        raise e.named(place_name) from None
+    """`flatten` of a call's ``(args, kwargs)`` with the plans of ``cache`` (a `plan_cache`; by
+    default one for the copies the transforms read after their calls), a `StateClash` naming its
+    places as the arguments (``args[0]['w']``), as `tied.grad` names the model's."""
+    return (_COPIES if cache is None else cache).flatten(root, name=place_name)
+
+
+_COPIES = plan_cache()
