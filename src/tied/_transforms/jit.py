@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .._core import (
     GraphDef,
@@ -366,6 +366,8 @@ def _given_shardings(leaves: list) -> tuple | None:
     cache key of a plain `tied.jit`, since JAX does not trace again when only an input's
     sharding changes (it compiles the jaxpr traced for the first placement), and the body bakes
     these shardings into the updated copies it returns."""
+    if jax.device_count() == 1:  # nothing can be spread (the common case: no work per array)
+        return None
     shardings = tuple(
         x.sharding if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
         for x in leaves
@@ -391,7 +393,7 @@ def _placement_key(given: tuple) -> tuple:
 
 
 def _spread(s: Any) -> bool:
-    return s is not None and len(s.device_set) > 1
+    return s is not None and type(s) is not SingleDeviceSharding and len(s.device_set) > 1
 
 
 def _keep_input_shardings(args: list, out: Any, leaves: list, out_leaves: list, given: list) -> list:
