@@ -351,3 +351,35 @@ def grouped_totals(tree: Any, partials: dict[str, Any]) -> dict[str, Any]:
             total = total + partials[p]
         out.update(dict.fromkeys(ps, total))
     return out
+
+
+def changing_during_the_call(run: Callable, armed: dict, change: Callable[[], Any]) -> Callable:
+    """`tied.jit` of ``run(m, x)`` with a host callback inside the program that calls ``change()``
+    once ``armed["on"]`` is set: the model changed while the call runs (which the write-back must
+    refuse, writing nothing). ``armed["on"]`` is cleared when the change is made."""
+
+    def callback(_):
+        if armed["on"]:
+            armed["on"] = False
+            change()
+
+    def f(m, x):
+        y = run(m, x)
+        jax.debug.callback(callback, y)
+        return y
+
+    return tied.jit(f)
+
+
+@tied.register
+class RunningNorm:
+    """A running mean (a `tied.State`, written by every call) and a scale (a parameter, never
+    written by the step): a norm to share between blocks."""
+
+    def __init__(self, n):
+        self.scale = jnp.ones(n)
+        self.mean = tied.State(jnp.zeros(n))
+
+    def __call__(self, x):
+        self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
+        return (x - self.mean.value) * self.scale

@@ -3,7 +3,7 @@ input refused.
 
 This process has one device. Sharded arrays (8 fake CPU devices: restore onto
 other shardings, a sharding that does not fit) are tested by
-tests/multiprocess/orbax_devices.py in a process of its own (`test_eight_fake_devices`),
+tests/multidevice/orbax_devices.py in a process of its own (`test_eight_fake_devices`),
 and several processes by tests/test_multiprocess.py.
 
 References are independent of tied's reader: the arrays saved, compared bit for bit;
@@ -502,8 +502,8 @@ def test_threads_saving_and_loading_at_once(tmp_path):
 
 
 def test_eight_fake_devices():
-    """tests/multiprocess/orbax_devices.py under 8 fake CPU devices, in its own process."""
+    """tests/multidevice/orbax_devices.py under 8 fake CPU devices, in its own process."""
     # Compiling, not running, is most of these few training steps: FAST_COMPILE.
-    code, report = pytest_on_fake_devices("tests/multiprocess/orbax_devices.py", FAST_COMPILE)
+    code, report = pytest_on_fake_devices("tests/multidevice/orbax_devices.py", FAST_COMPILE)
     assert code == 0, report
     assert "4 passed" in report, report

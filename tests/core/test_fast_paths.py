@@ -13,24 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import RunningNorm as Norm
+from helpers import changing_during_the_call
 
 import tied
 from tied._core import graph as _graph
 from tied._core import live as _live
 from tied._core import writeback as _writeback
-
-
-@tied.register
-class Norm:
-    """Running mean as State, and a parameter (never written by the step)."""
-
-    def __init__(self, n):
-        self.scale = jnp.ones(n)
-        self.mean = tied.State(jnp.zeros(n))
-
-    def __call__(self, x):
-        self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
-        return (x - self.mean.value) * self.scale
 
 
 @tied.register
@@ -392,17 +381,10 @@ def test_compiled_write_back_refuses_a_model_changed_during_the_call(monkeypatch
     net, a, b = _tied_lins()
     armed = {"on": False}
 
-    def callback(_):
-        if armed["on"]:
-            armed["on"] = False
-            mutate(net, a, b)
+    def run(m, x):
+        return m.layers[3]["last"](m.layers[2](m.layers[1](m.layers[0](x)))).sum()
 
-    def f(m, x):
-        y = m.layers[3]["last"](m.layers[2](m.layers[1](m.layers[0](x)))).sum()
-        jax.debug.callback(callback, y)
-        return y
-
-    step = tied.jit(f)
+    step = changing_during_the_call(run, armed, lambda: mutate(net, a, b))
     x = X[:, :3]
     for _ in range(3):
         step(net, x)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import changing_during_the_call
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -281,17 +282,7 @@ def changing_step(m, armed, change, warm):
     """`tied.jit` of `run` with a host callback that calls ``change()`` once ``armed["on"]``
     is set (while the call runs), after ``warm`` calls of it on ``m``."""
 
-    def callback(_):
-        if armed["on"]:
-            armed["on"] = False
-            change()
-
-    def f(m, x):
-        y = run(m, x)
-        jax.debug.callback(callback, y)
-        return y
-
-    step = tied.jit(f)
+    step = changing_during_the_call(run, armed, change)
     for _ in range(warm):
         step(m, X)
     return step

@@ -16,25 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import RunningNorm, changing_during_the_call
 
 import tied
 from tied._core import writeback as _writeback
 from tied._core.plans import loops as _loops
 
 N_BLOCKS = 40
-
-
-@tied.register
-class SharedNorm:
-    """A running mean (State) and a scale, as a norm shared by every block."""
-
-    def __init__(self, n):
-        self.scale = jnp.ones(n)
-        self.mean = tied.State(jnp.zeros(n))
-
-    def __call__(self, x):
-        self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
-        return (x - self.mean.value) * self.scale
 
 
 @tied.register
@@ -51,7 +39,7 @@ class Block:
 
 
 def blocks(tag=None):
-    norm = SharedNorm(2)
+    norm = RunningNorm(2)
     if tag is not None:  # a static of its own: a structure no other test has written back
         norm.tag = tag
     return [Block(norm, k) for k in range(N_BLOCKS)], norm
@@ -120,7 +108,7 @@ def _block_mutations():
         m[3], m[4] = m[4], m[3]
 
     def tie_cut(m, norm):  # one block given its own norm
-        twin = SharedNorm(2)
+        twin = RunningNorm(2)
         twin.scale, twin.mean = norm.scale, norm.mean
         m[30].norm = twin
 
@@ -136,18 +124,7 @@ def test_forty_blocks_changed_during_the_call_are_refused_with_nothing_written(
     monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
     m, norm = blocks(f"{mutate.__name__}-{check}" if not warm else None)
     armed = {"on": False}
-
-    def callback(_):
-        if armed["on"]:
-            armed["on"] = False
-            mutate(m, norm)
-
-    def f(m, x):
-        y = run(m, x)
-        jax.debug.callback(callback, y)
-        return y
-
-    step = tied.jit(f)
+    step = changing_during_the_call(run, armed, lambda: mutate(m, norm))
     for _ in range(warm):
         step(m, X)
     assert bool(_compiled(((m, X), {}))) == bool(warm)
@@ -231,20 +208,13 @@ def test_tuples_changed_during_the_call_are_refused_with_nothing_written(monkeyp
     m = tuples()
     armed = {"on": False}
 
-    def callback(_):
-        if armed["on"]:
-            armed["on"] = False
-            if what == "tuple":
-                m["a"] = m["b"] = (jnp.array(m["a"][0]), m["a"][1])
-            else:
-                m["c"].value = (jnp.array(m["c"].value[0]), m["c"].value[1])
+    def change():
+        if what == "tuple":
+            m["a"] = m["b"] = (jnp.array(m["a"][0]), m["a"][1])
+        else:
+            m["c"].value = (jnp.array(m["c"].value[0]), m["c"].value[1])
 
-    def f(m, x):
-        y = bump(m, x)
-        jax.debug.callback(callback, y)
-        return y
-
-    step = tied.jit(f)
+    step = changing_during_the_call(bump, armed, change)
     x = jnp.array([1.0, 2.0])
     for _ in range(3):
         step(m, x)
@@ -285,7 +255,7 @@ def _unplanned(monkeypatch, tag):
     for mod in (_graph, _plan):  # over the plan bound, and never seen often enough for a large plan
         monkeypatch.setattr(mod, "MAX_PLAN_LINES", 50)
         monkeypatch.setattr(mod, "LARGE_PLAN_SIGHTINGS", 10_000)
-    norm = SharedNorm(2)
+    norm = RunningNorm(2)
     return [Named(f"{tag}{k}", norm) for k in range(6)], norm
 
 
@@ -329,17 +299,10 @@ def test_a_structure_without_a_flatten_plan_changed_during_the_call_is_refused(m
     monkeypatch.setattr(_writeback, "CHECK_PLANS", check)
     armed = {"on": False}
 
-    def callback(_):
-        if armed["on"]:  # a new array at a written place
-            armed["on"] = False
-            m[2].pair = (jnp.array(m[2].pair[0]), m[2].pair[1])
+    def change():  # a new array at a written place
+        m[2].pair = (jnp.array(m[2].pair[0]), m[2].pair[1])
 
-    def f(m, x):
-        y = _run_named(m, x)
-        jax.debug.callback(callback, y)
-        return y
-
-    step = tied.jit(f)
+    step = changing_during_the_call(_run_named, armed, change)
     x = jnp.array([1.0, 2.0])
     for _ in range(3):
         step(m, x)

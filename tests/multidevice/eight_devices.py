@@ -4,8 +4,8 @@ Sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (and ``JAX_PLATFORMS
 before JAX is imported, so that a file here also runs on its own (``python -m pytest
 tests/multidevice/rules.py``), then checks that JAX sees 8 devices: a process that imported
 JAX before this file (the main test process, which never imports these files: their names do
-not match ``test_*.py``) keeps its own count. The tests that start them are in tests/transforms
-and tests/nn (`processes.pytest_on_fake_devices`).
+not match ``test_*.py``) keeps its own count. The tests that start them are in
+tests/transforms, tests/nn and tests/checkpoint (`processes.pytest_on_fake_devices`).
 """
 
 import os

@@ -1,8 +1,8 @@
 """Orbax checkpoints of sharded arrays: 8 fake CPU devices, in a process of their own.
 
-Run by tests/test_orbax.py as ``python -m pytest tests/multiprocess/orbax_devices.py``
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set below too, so the file
-also runs on its own); never collected by the main test run (the name does not match
+Run by tests/checkpoint/test_orbax.py as ``python -m pytest tests/multidevice/orbax_devices.py``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set by eight_devices.py too, so the
+file also runs on its own); never collected by the main test run (the name does not match
 ``test_*.py``).
 
 The references are independent of the Orbax format: the arrays saved (read to the
@@ -10,28 +10,19 @@ host with numpy), the same tree saved as one safetensors file, and the same trai
 steps run without a checkpoint in between.
 """
 
-import os
+import eight_devices  # noqa: F401  (first: 8 fake CPU devices, set before JAX is imported)
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# isort: split
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import tied  # noqa: E402
-
-if jax.device_count() != 8:
-    raise RuntimeError(
-        f"tests/multiprocess/orbax_devices.py needs 8 devices, found {jax.device_count()}: run it "
-        "through tests/test_orbax.py, or with XLA_FLAGS=--xla_force_host_platform_device_count=8."
-    )
+import tied
 
 VOCAB, DIM, HEADS, BATCH, SEQ = 32, 16, 2, 8, 9
 TX = optax.adam(1e-2, eps=1e-5)
