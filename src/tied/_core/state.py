@@ -125,7 +125,8 @@ class State:
     model runs, never by an optimiser.
 
     Writing ``.value`` stores ``jax.lax.stop_gradient(new)`` (state is never
-    differentiated) and refuses a change of shape or dtype. A `State` is a node
+    differentiated) and refuses a change of shape or dtype; a part of a pytree value
+    written back as it was (``s.value = (new, s.value[1])``) stays the very array. A `State` is a node
     walked through ``.value`` (path ``.running_mean.value``) and shared by
     reference: one `State` reachable from two places is one state, written once.
 
