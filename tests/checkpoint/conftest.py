@@ -8,14 +8,15 @@ import pytest
 
 @pytest.fixture
 def slow_writes(monkeypatch):
-    """Orbax's background writes of numpy and JAX arrays start 0.5 s late, so the caller's next steps
+    """Orbax's background writes of numpy and JAX arrays start 2 s late, so the caller's next steps
     surely run while the save is in flight (without this, a small save could finish first and hide a
-    race)."""
+    race). 0.5 s was once not enough: on the busy 2-core machine under pytest -n 2 the test's own
+    thread waited longer than that between a save and its next line."""
     from orbax.checkpoint._src.serialization import jax_array_handlers
 
     def delayed(fn):
         async def late(*args, **kwargs):
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(2.0)
             return await fn(*args, **kwargs)
 
         return late
